@@ -1,0 +1,47 @@
+# dflash_lab: `make report` runs every notebook headless; `make test` runs the tests.
+# Both start with `setup`, so each is one command on a fresh machine.
+
+PYTHON ?= python3.11
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+# Offline at run time; vLLM's grouping runs on the CPU.
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export VLLM_TARGET_DEVICE ?= cpu
+export PYTHONHASHSEED := 0
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: setup browser lab report test test-unit test-notebooks bench clean
+
+setup: $(STAMP) browser
+
+$(STAMP): pyproject.toml
+	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) on PATH (or: make PYTHON=python3)"; exit 1; }
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --upgrade pip
+	$(PY) -m pip install -e .
+	touch $(STAMP)
+
+# Debian's chromium for the browser tests; Playwright is pointed at it, no browser download.
+browser:
+	@command -v chromium >/dev/null || { \
+	  if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq chromium >/dev/null; }
+
+lab: setup
+	$(VENV)/bin/jupyter lab notebooks/
+
+report: setup
+	$(PY) -m dflash_lab.report --out reports notebooks
+
+test: setup
+	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --nbval --nbval-current-env notebooks/
+
+bench: setup
+	$(PY) -m dflash_lab.bench acceptance
+
+clean:
+	rm -rf reports test-output .pytest_cache

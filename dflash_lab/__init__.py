@@ -1,0 +1,16 @@
+"""dflash_lab: DFlash speculative decoding on Laguna models, as a notebook lab.
+
+The package follows the data path of one DFlash step, a module per step:
+
+    config      the drafter's config.json, validated the way vLLM validates it
+    target      the Laguna target (transformers) and its aux hidden states
+    drafter     the DFlash drafter: combine_hidden_states, context K/V, block drafting
+    checkpoint  save/load in vLLM's DFlashLagunaForCausalLM layout (safetensors)
+    spec_decode draft -> verify -> accept, with vLLM's acceptance counters
+    metrics     the same counters read from a vLLM /metrics page
+    kv_groups   how vLLM groups the KV cache of hybrid models, and the drafter's group
+    viz         plotly figures from plain data
+    widgets     ipywidgets controls wired to those figures
+"""
+
+__version__ = "0.1.0"
