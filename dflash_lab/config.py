@@ -1,0 +1,287 @@
+"""The drafter's config.json, validated the way vLLM 0.33 validates it.
+
+A Laguna DFlash drafter checkpoint carries an HF-style ``config.json``:
+
+    {"architectures": ["DFlashLagunaForCausalLM"], "model_type": "laguna",
+     "hidden_size": 256, "num_hidden_layers": 3, "num_attention_heads": 4,
+     "num_key_value_heads": 2, "head_dim": 64, "intermediate_size": 768,
+     "layer_types": ["full_attention", ...], "rope_parameters": {...},
+     "dflash_config": {"target_layer_ids": [1, 3, 5], "mask_token_id": 3,
+                       "block_size": 16},
+     "draft_vocab_size": 4096, ...}
+
+``DFlashDrafterConfig.from_dict`` enforces vLLM's rules (``laguna_dflash.py``):
+``layer_types`` present, one per layer and uniform; ``target_layer_ids``
+non-empty; ``draft_vocab_size`` present. Every error names the key (and the
+file, when the config came from one).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+ARCHITECTURE = "DFlashLagunaForCausalLM"
+LAYER_TYPES = ("full_attention", "sliding_attention")
+GATING_CHOICES = (True, False, "per-head", "per-element")
+
+# Laguna's own defaults (transformers' LagunaConfig): full-attention layers rotate
+# half of each head with a long-context theta, sliding layers rotate all of it.
+DEFAULT_ROPE_PARAMETERS = {
+    "full_attention": {"rope_type": "default", "rope_theta": 500000.0, "partial_rotary_factor": 0.5},
+    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0},
+}
+
+
+class ConfigError(ValueError):
+    """A config value is missing or wrong; the message names the key (and file)."""
+
+
+@dataclass
+class DFlashDrafterConfig:
+    hidden_size: int  # must equal the target's: embeddings and lm_head are shared
+    num_hidden_layers: int  # drafter depth; 1-5 in published DFlash drafters
+    num_attention_heads: int
+    num_key_value_heads: int  # GQA: the context K/V store holds only these heads
+    head_dim: int
+    intermediate_size: int  # dense SiLU MLP; drafter layers are never MoE
+    layer_types: list[str]  # uniform: all full_attention or all sliding_attention
+    draft_vocab_size: int  # == target vocabulary (the lm_head is the target's)
+    target_layer_ids: list[int]  # target layers whose outputs feed the drafter
+    mask_token_id: int  # fills positions 1.. of every block
+    block_size: int = 16  # the largest block the drafter was trained for
+    target_hidden_size: int | None = None  # fc input is this x len(target_layer_ids)
+    target_layer_count: int | None = None  # drafter attention layer j is named target_layer_count + j
+    rms_norm_eps: float = 1e-6
+    rope_parameters: dict = field(default_factory=lambda: json.loads(json.dumps(DEFAULT_ROPE_PARAMETERS)))
+    sliding_window: int | None = None  # a compute-time limit; the K/V store stays full
+    gating: bool | str = True  # softplus output gate: True/"per-head" or "per-element"
+    attention_bias: bool = False
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 4096
+    source: str | None = field(default=None, repr=False, compare=False)  # file it came from
+
+    def __post_init__(self):
+        if self.target_hidden_size is None:
+            self.target_hidden_size = self.hidden_size
+
+    # --- derived sizes -------------------------------------------------------
+    @property
+    def layer_type(self) -> str:
+        return self.layer_types[0]
+
+    @property
+    def is_sliding(self) -> bool:
+        return self.layer_type == "sliding_attention"
+
+    @property
+    def rope(self) -> dict:
+        """RoPE parameters of the drafter's (single) layer type."""
+        return self.rope_parameters[self.layer_type]
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * float(self.rope.get("partial_rotary_factor", 1.0)))
+
+    @property
+    def gate_per_head(self) -> bool:
+        return self.gating is True or self.gating == "per-head"
+
+    @property
+    def window(self) -> int | None:
+        """The attention window a query sees, or None for full attention."""
+        return self.sliding_window if self.is_sliding else None
+
+    # --- reading -------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, d: dict, *, source: str | None = None) -> "DFlashDrafterConfig":
+        where = f" in {source}" if source else ""
+        if not isinstance(d, dict):
+            raise ConfigError(f"drafter config{where} must be a JSON object, got {type(d).__name__}")
+
+        def err(key: str, msg: str, exc=ConfigError):
+            return exc(f"drafter config{where}: `{key}` {msg}")
+
+        archs = d.get("architectures")
+        if archs is not None and ARCHITECTURE not in (archs if isinstance(archs, list) else [archs]):
+            raise err("architectures", f"must contain {ARCHITECTURE!r}, got {archs!r}")
+
+        def get_int(key, *, src=d, name=None, minimum=1, required=True, default=None):
+            name = name or key
+            if key not in src or src[key] is None:
+                if required:
+                    raise err(name, "is missing")
+                return default
+            v = src[key]
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise err(name, f"must be an integer, got {v!r}", TypeError)
+            if v < minimum:
+                raise err(name, f"must be >= {minimum}, got {v}")
+            return v
+
+        hidden = get_int("hidden_size")
+        n_layers = get_int("num_hidden_layers")
+        n_heads = get_int("num_attention_heads")
+        n_kv = get_int("num_key_value_heads")
+        if n_heads % n_kv:
+            raise err("num_attention_heads", f"({n_heads}) must be divisible by num_key_value_heads ({n_kv})")
+        head_dim = get_int("head_dim", required=False, default=None) or hidden // n_heads
+        inter = get_int("intermediate_size")
+
+        # vLLM's _get_dflash_layer_types: present, one per layer, uniform.
+        layer_types = d.get("layer_types")
+        if layer_types is None:
+            raise err("layer_types", "is missing: a Laguna DFlash config requires `layer_types`", ValueError)
+        if not isinstance(layer_types, list) or not all(isinstance(t, str) for t in layer_types):
+            raise err("layer_types", f"must be a list of strings, got {layer_types!r}", TypeError)
+        if len(layer_types) != n_layers:
+            raise err("layer_types", f"has length {len(layer_types)}, which does not match num_hidden_layers {n_layers}", ValueError)
+        unknown = sorted(set(layer_types) - set(LAYER_TYPES))
+        if unknown:
+            raise err("layer_types", f"holds unknown types {unknown}; expected {list(LAYER_TYPES)}")
+        if len(set(layer_types)) > 1:
+            raise NotImplementedError(
+                f"drafter config{where}: `layer_types` must be uniform for a Laguna DFlash drafter "
+                f"(all full_attention or all sliding_attention); got {sorted(set(layer_types))}"
+            )
+
+        if d.get("draft_vocab_size") is None:
+            raise err("draft_vocab_size", "is missing: Laguna DFlash shares the target lm_head and requires it", ValueError)
+        vocab = get_int("draft_vocab_size")
+
+        dflash = d.get("dflash_config")
+        if not isinstance(dflash, dict):
+            raise err("dflash_config", "is missing or not an object" if dflash is None else f"must be an object, got {dflash!r}")
+        ids = dflash.get("target_layer_ids")
+        if ids is None:
+            raise err("dflash_config.target_layer_ids", "is missing")
+        if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            raise err("dflash_config.target_layer_ids", f"must be a list of integers, got {ids!r}", TypeError)
+        if not ids:
+            raise err("dflash_config.target_layer_ids", "is empty: the drafter needs at least one target layer", ValueError)
+        if any(i < 0 for i in ids) or len(set(ids)) != len(ids):
+            raise err("dflash_config.target_layer_ids", f"must be distinct non-negative layer indices, got {ids}")
+        mask_id = get_int("mask_token_id", src=dflash, name="dflash_config.mask_token_id", minimum=0)
+        if mask_id >= vocab:
+            raise err("dflash_config.mask_token_id", f"({mask_id}) is outside the vocabulary (draft_vocab_size {vocab})")
+        block = dflash.get("block_size", d.get("block_size", 16))
+        if isinstance(block, bool) or not isinstance(block, int) or block < 2:
+            raise err("dflash_config.block_size", f"must be an integer >= 2, got {block!r}")
+
+        rope = d.get("rope_parameters") or DEFAULT_ROPE_PARAMETERS
+        if not isinstance(rope, dict):
+            raise err("rope_parameters", f"must be an object, got {rope!r}", TypeError)
+        if not any(isinstance(v, dict) for v in rope.values()):
+            rope = {layer_types[0]: rope}  # a flat (legacy) dict applies to the drafter's type
+        own = rope.get(layer_types[0])
+        if not isinstance(own, dict):
+            raise err(f"rope_parameters.{layer_types[0]}", "is missing: RoPE must be configured for the drafter's layer type")
+        if own.get("rope_type", "default") != "default":
+            raise err(f"rope_parameters.{layer_types[0]}.rope_type", f"{own.get('rope_type')!r} is not supported (only 'default')")
+        factor = own.get("partial_rotary_factor", 1.0)
+        theta = own.get("rope_theta", 10000.0)
+        if not isinstance(factor, (int, float)) or isinstance(factor, bool) or not 0 < factor <= 1:
+            raise err(f"rope_parameters.{layer_types[0]}.partial_rotary_factor", f"must be in (0, 1], got {factor!r}")
+        if int(head_dim * factor) % 2:
+            raise err(f"rope_parameters.{layer_types[0]}.partial_rotary_factor", f"gives an odd rotary dim {int(head_dim * factor)} for head_dim {head_dim}")
+        if not isinstance(theta, (int, float)) or isinstance(theta, bool) or theta <= 0:
+            raise err(f"rope_parameters.{layer_types[0]}.rope_theta", f"must be a positive number, got {theta!r}")
+
+        window = d.get("sliding_window")
+        if layer_types[0] == "sliding_attention":
+            window = get_int("sliding_window")
+        elif window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+            raise err("sliding_window", f"must be a positive integer or null, got {window!r}")
+
+        gating = d.get("gating", True)
+        if gating not in GATING_CHOICES or isinstance(gating, (int, float)) and not isinstance(gating, bool):
+            raise err("gating", f"must be one of {list(GATING_CHOICES)}, got {gating!r}")
+        eps = d.get("rms_norm_eps", 1e-6)
+        if not isinstance(eps, (int, float)) or isinstance(eps, bool) or not 0 < eps < 1:
+            raise err("rms_norm_eps", f"must be a small positive number, got {eps!r}")
+        act = d.get("hidden_act", "silu")
+        if act != "silu":
+            raise err("hidden_act", f"must be 'silu' (Laguna's MLP), got {act!r}")
+
+        return cls(
+            hidden_size=hidden, num_hidden_layers=n_layers, num_attention_heads=n_heads,
+            num_key_value_heads=n_kv, head_dim=head_dim, intermediate_size=inter,
+            layer_types=list(layer_types), draft_vocab_size=vocab, target_layer_ids=list(ids),
+            mask_token_id=mask_id, block_size=block,
+            target_hidden_size=get_int("target_hidden_size", required=False, default=None),
+            target_layer_count=get_int("target_layer_count", required=False, default=None, minimum=0),
+            rms_norm_eps=float(eps), rope_parameters=rope, sliding_window=window, gating=gating,
+            attention_bias=bool(d.get("attention_bias", False)), hidden_act=act,
+            max_position_embeddings=get_int("max_position_embeddings", required=False, default=4096),
+            source=source,
+        )
+
+    @classmethod
+    def from_pretrained(cls, path) -> "DFlashDrafterConfig":
+        """Read ``config.json`` from a checkpoint directory (or the file itself)."""
+        path = Path(path)
+        file = path / "config.json" if path.is_dir() else path
+        if not file.is_file():
+            raise FileNotFoundError(f"no drafter config at {file}")
+        try:
+            d = json.loads(file.read_text())
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{file} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{file} is not UTF-8 text: {e.reason}") from None
+        return cls.from_dict(d, source=str(file))
+
+    # --- writing -------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """HF-style config.json that vLLM 0.33's DFlashLagunaForCausalLM reads."""
+        d = asdict(self)
+        d.pop("source")
+        ids, mask, block = d.pop("target_layer_ids"), d.pop("mask_token_id"), d.pop("block_size")
+        return {
+            "architectures": [ARCHITECTURE],
+            "model_type": "laguna",
+            **d,
+            "vocab_size": self.draft_vocab_size,  # vLLM sizes the (shared) embedding from this
+            "mlp_layer_types": ["dense"] * self.num_hidden_layers,  # vLLM's Laguna layer reads it
+            "num_attention_heads_per_layer": [self.num_attention_heads] * self.num_hidden_layers,
+            "dflash_config": {"target_layer_ids": ids, "mask_token_id": mask, "block_size": block},
+            "block_size": block,
+        }
+
+    # --- pairing with a target -------------------------------------------------
+    def validate_against_target(self, target_config) -> None:
+        """Check that this drafter can serve ``target_config`` (a LagunaConfig or dict)."""
+        get = (lambda k: target_config.get(k)) if isinstance(target_config, dict) else (lambda k: getattr(target_config, k, None))
+        where = f" ({self.source})" if self.source else ""
+        vocab, n_layers, hidden = get("vocab_size"), get("num_hidden_layers"), get("hidden_size")
+        if vocab is None or n_layers is None or hidden is None:
+            raise ConfigError("target config must define vocab_size, num_hidden_layers and hidden_size")
+        if self.draft_vocab_size != vocab:
+            raise ConfigError(
+                f"drafter{where} `draft_vocab_size` {self.draft_vocab_size} != target vocab_size {vocab}: "
+                "Laguna DFlash shares the target's lm_head"
+            )
+        bad = [i for i in self.target_layer_ids if i >= n_layers]
+        if bad:
+            raise ConfigError(
+                f"drafter{where} `dflash_config.target_layer_ids` {bad} do not exist in a target "
+                f"with {n_layers} layers (valid: 0..{n_layers - 1})"
+            )
+        if self.mask_token_id >= vocab:
+            raise ConfigError(f"drafter{where} `dflash_config.mask_token_id` {self.mask_token_id} is outside the target vocabulary ({vocab})")
+        if self.target_hidden_size != hidden:
+            raise ConfigError(
+                f"drafter{where} `fc` expects target hidden size {self.target_hidden_size} "
+                f"(x{len(self.target_layer_ids)} layers), but the target's hidden_size is {hidden}"
+            )
+        if self.hidden_size != hidden:
+            raise ConfigError(
+                f"drafter{where} `hidden_size` {self.hidden_size} != target hidden_size {hidden}: "
+                "the drafter uses the target's embeddings and lm_head"
+            )
+        if self.target_layer_count is not None and self.target_layer_count != n_layers:
+            raise ConfigError(
+                f"drafter{where} `target_layer_count` {self.target_layer_count} != target num_hidden_layers {n_layers}"
+            )
