@@ -70,6 +70,10 @@ def save_drafter(drafter: DFlashLagunaDrafter, out_dir, *, dtype: torch.dtype | 
     """Write config.json + model.safetensors in vLLM's layout, atomically."""
     if not isinstance(drafter, DFlashLagunaDrafter):
         raise TypeError(f"save_drafter expects a DFlashLagunaDrafter, got {type(drafter).__name__}")
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not (out_dir / CONFIG_NAME).is_file() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        # Saving replaces out_dir as a whole: never do that to something that is not a checkpoint.
+        raise FileExistsError(f"save_drafter: `out_dir` {out_dir} exists and is not a checkpoint directory; refusing to replace it")
     tensors = {name: t.detach().to("cpu", dtype or t.dtype).contiguous() for name, t in drafter.state_dict().items()}
     config = drafter.config.to_dict()
     config["target_layer_count"] = drafter.target_layer_count
@@ -90,6 +94,8 @@ def _read_config(path: Path, weights: Path | None) -> DFlashDrafterConfig:
         raw = json.loads(file.read_text())
     except json.JSONDecodeError as e:
         raise ConfigError(f"{file} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{file} is not UTF-8 text: {e.reason}") from None
     if isinstance(raw, dict) and raw.get("target_hidden_size") is None and weights is not None:
         # Real vLLM checkpoints need not state the target's hidden size: read it off fc.
         ids = (raw.get("dflash_config") or {}).get("target_layer_ids")
@@ -123,6 +129,10 @@ def check_state_dict(expected: dict[str, torch.Tensor], found: dict[str, torch.T
         problems.append(f"unexpected tensors {unexpected}")
     if misshaped:
         problems.append("mis-shaped tensors [" + "; ".join(misshaped) + "]")
+    mistyped = [f"{n}: {str(found[n].dtype).removeprefix('torch.')}" for n in sorted(found)
+                if n in expected and not found[n].is_floating_point()]
+    if mistyped:
+        problems.append("non-floating tensors [" + "; ".join(mistyped) + "]")
     if problems:
         raise CheckpointError(f"{source} does not match the drafter config: " + ", ".join(problems))
     nonfinite = sorted(n for n, t in found.items() if t.is_floating_point() and not torch.isfinite(t).all())
@@ -130,8 +140,30 @@ def check_state_dict(expected: dict[str, torch.Tensor], found: dict[str, torch.T
         raise CheckpointError(f"{source} holds non-finite values (NaN/inf) in {nonfinite}")
 
 
+def resolve_device_and_dtype(device, dtype, caller: str):
+    """``device`` as a torch.device and ``dtype`` as a floating torch.dtype (or None).
+
+    Accepts names (``"cuda:1"``, ``"bfloat16"``) and fails naming the argument,
+    before any file is read.
+    """
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"{caller}: `device` {device!r} is not a torch device ({e})") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(f"{caller}: `device` {str(device)!r} asked for CUDA, but no CUDA device is available")
+    if isinstance(dtype, str) and dtype != "auto":
+        dtype = getattr(torch, dtype.removeprefix("torch."), dtype)
+    if dtype == "auto":
+        dtype = None
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise TypeError(f"{caller}: `dtype` must be a floating torch.dtype or its name, got {dtype!r}")
+    return device, dtype
+
+
 def load_drafter(path, *, device="cpu", dtype=None) -> DFlashLagunaDrafter:
     """Build a DFlashLagunaDrafter from a vLLM-layout checkpoint directory."""
+    device, dtype = resolve_device_and_dtype(device, dtype, "load_drafter")
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"drafter checkpoint directory {path} does not exist")

@@ -15,6 +15,8 @@ from pathlib import Path
 import torch
 from transformers import LagunaConfig, LagunaForCausalLM
 
+from .checkpoint import resolve_device_and_dtype
+
 
 def tiny_laguna_config(vocab_size: int = 4096, **overrides) -> LagunaConfig:
     """A small Laguna that keeps the family's character.
@@ -64,6 +66,7 @@ def build_target(config: LagunaConfig, *, seed: int | None = None) -> LagunaForC
 
 def load_target(path, *, device="cpu", dtype=None) -> LagunaForCausalLM:
     """Load a LagunaForCausalLM from a local directory (safetensors only, offline)."""
+    device, dtype = resolve_device_and_dtype(device, dtype, "load_target")
     path = Path(path)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"no target config.json in {path}")
