@@ -28,7 +28,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from .config import ConfigError, DFlashDrafterConfig
+from .config import DFlashDrafterConfig, read_json
 from .drafter import DFlashLagunaDrafter
 
 WEIGHTS_NAME = "model.safetensors"
@@ -90,12 +90,7 @@ def _read_config(path: Path, weights: Path | None) -> DFlashDrafterConfig:
     file = path / CONFIG_NAME
     if not file.is_file():
         raise FileNotFoundError(f"no {CONFIG_NAME} in drafter checkpoint {path}")
-    try:
-        raw = json.loads(file.read_text())
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"{file} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"{file} is not UTF-8 text: {e.reason}") from None
+    raw = read_json(file)
     if isinstance(raw, dict) and raw.get("target_hidden_size") is None and weights is not None:
         # Real vLLM checkpoints need not state the target's hidden size: read it off fc.
         ids = (raw.get("dflash_config") or {}).get("target_layer_ids")

@@ -39,6 +39,16 @@ class ConfigError(ValueError):
     """A config value is missing or wrong; the message names the key (and file)."""
 
 
+def read_json(file: Path):
+    """The parsed JSON in ``file``; a ConfigError naming the file when it is not JSON text."""
+    try:
+        return json.loads(Path(file).read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{file} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{file} is not UTF-8 text: {e.reason}") from None
+
+
 @dataclass
 class DFlashDrafterConfig:
     hidden_size: int  # must equal the target's: embeddings and lm_head are shared
@@ -225,13 +235,7 @@ class DFlashDrafterConfig:
         file = path / "config.json" if path.is_dir() else path
         if not file.is_file():
             raise FileNotFoundError(f"no drafter config at {file}")
-        try:
-            d = json.loads(file.read_text())
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{file} is not valid JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
-        except UnicodeDecodeError as e:
-            raise ConfigError(f"{file} is not UTF-8 text: {e.reason}") from None
-        return cls.from_dict(d, source=str(file))
+        return cls.from_dict(read_json(file), source=str(file))
 
     # --- writing -------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
