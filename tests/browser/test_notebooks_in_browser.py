@@ -1,0 +1,442 @@
+"""Every notebook, the way a person uses it: JupyterLab in a real browser.
+
+For each notebook: open it, Run > Run All Cells, and wait for the kernel. Then
+
+1. no cell has an error output;
+2. every plotly figure rendered: an SVG whose data traces have drawn geometry,
+   both for figures shown with fig.show() and for FigureWidgets (the kernel
+   says how many FigureWidgets each widget output holds, and that many must
+   be on the page);
+3. every widget view rendered (no "Loading widget..." or error placeholder);
+4. the widgets react: each control (dropdown, checkbox, toggle, radio, slider)
+   is flipped in turn, and each must change something on the page - and at
+   least one must change a figure's data or layout. A widget callback that
+   raises (its traceback lands in the kernel's log) fails the test too.
+
+Screenshots of the whole notebook, after running and after flipping, go to
+test-output/screenshots/.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import re
+import time
+from dataclasses import dataclass, field
+
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.browser
+
+# Wall-clock limits, in seconds; a 2-core CPU runs the real (small) models.
+RUN_ALL_TIMEOUT = float(os.environ.get("DFLASH_LAB_BROWSER_RUN_TIMEOUT", 900))
+RENDER_TIMEOUT = 60
+FLIP_TIMEOUT = float(os.environ.get("DFLASH_LAB_BROWSER_FLIP_TIMEOUT", 120))
+MAX_FLIPS = 8
+
+ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+# ---------------------------------------------------------------------------
+# JavaScript run in the page. Each snippet is a function of the notebook's path
+# (relative to the server root) and finds that notebook's panel first.
+# ---------------------------------------------------------------------------
+
+PANEL = """
+const app = window.jupyterapp;
+const panel = app && Array.from(app.shell.widgets('main'))
+    .find(w => w.context && w.context.path === path);
+"""
+
+JS_STATE = "(path) => {" + PANEL + """
+  if (!app) return {phase: 'loading JupyterLab'};
+  const dialog = document.querySelector('.jp-Dialog');
+  if (dialog) return {phase: 'dialog', text: dialog.innerText};
+  if (!panel) return {phase: 'opening notebook'};
+  const kernel = panel.sessionContext.session && panel.sessionContext.session.kernel;
+  const cells = panel.content.widgets;
+  let running = 0, done = 0, code = 0, current = -1;
+  const errors = [];
+  cells.forEach((cell, i) => {
+    if (cell.model.type !== 'code') return;
+    code++;
+    if (cell.model.executionState === 'running') { running++; if (current < 0) current = i; }
+    else if (cell.model.executionCount !== null) done++;
+    for (const out of cell.model.outputs.toJSON()) {
+      if (out.output_type === 'error')
+        errors.push({cell: i, ename: out.ename, evalue: out.evalue,
+                     traceback: (out.traceback || []).join('\\n')});
+    }
+  });
+  return {phase: 'open', kernel: kernel ? kernel.status : 'none', cells: cells.length,
+          code, running, done, current, errors};
+}"""
+
+# Figures, widget views and their health, per output. Plotly graph divs carry
+# their figure in gd.data / gd.layout; a trace counts as drawn when its element
+# has a non-empty box on the page.
+JS_OUTPUTS = "(path) => {" + PANEL + """
+  const TRACES = 'g.trace, g.hm, .imagelayer image, .heatmaplayer image, g.slice, .gl-container canvas';
+  const BAD = ['Loading widget...', 'Error displaying widget', 'Failed to load', 'Failed to create view',
+               'Error rendering', 'Failed to initialize model'];
+  const plots = [];
+  const outputs = [];
+  panel.content.widgets.forEach((cell, ci) => {
+    if (cell.model.type !== 'code') return;
+    const area = cell.outputArea;
+    for (let oi = 0; oi < area.model.length; oi++) {
+      const data = area.model.get(oi).data || {};
+      const node = area.widgets[oi] ? area.widgets[oi].node : null;
+      if (!node) continue;
+      const view = data['application/vnd.jupyter.widget-view+json'];
+      const entry = {cell: ci, output: oi, mimes: Object.keys(data),
+                     model_id: view ? view.model_id : null, plots: 0, bad: null,
+                     text: node.innerText.slice(0, 300)};
+      for (const b of BAD) if (node.innerText.includes(b)) entry.bad = b;
+      node.querySelectorAll('.js-plotly-plot').forEach(gd => {
+        let drawn = 0;
+        gd.querySelectorAll(TRACES).forEach(el => {
+          const r = el.getBoundingClientRect();
+          if (r.width > 0 && r.height > 0) drawn++;
+        });
+        entry.plots++;
+        plots.push({cell: ci, output: oi, svg: !!gd.querySelector('svg.main-svg'),
+                    traces: (gd.data || []).length, drawn,
+                    title: ((gd.layout || {}).title || {}).text || ''});
+      });
+      entry.plotly_mime = Math.max(
+          node.querySelectorAll('.jp-RenderedPlotly').length,
+          'application/vnd.plotly.v1+json' in data ? 1 : 0);
+      outputs.push(entry);
+    }
+  });
+  return {plots, outputs};
+}"""
+
+# What a person sees change: every figure's data+layout and the text of the
+# outputs, hashed; the controls' own readouts are left out.
+JS_SNAPSHOT = "(path) => {" + PANEL + """
+  const hash = (s) => { let h = 2166136261; for (let i = 0; i < s.length; i++) {
+      h ^= s.charCodeAt(i); h = Math.imul(h, 16777619); } return (h >>> 0).toString(16); };
+  const root = panel.content.node;
+  const figures = Array.from(root.querySelectorAll('.jp-OutputArea .js-plotly-plot')).map(
+      gd => hash(JSON.stringify([gd.data, gd.layout])));
+  const texts = Array.from(root.querySelectorAll(
+      '.jp-OutputArea .jp-RenderedText, .jp-OutputArea .widget-html-content, .jp-OutputArea .jp-RenderedHTMLCommon'))
+      .filter(el => !el.closest('.js-plotly-plot'))
+      .map(el => hash(el.innerText));
+  const kernel = panel.sessionContext.session && panel.sessionContext.session.kernel;
+  return {figures, texts, kernel: kernel ? kernel.status : 'none'};
+}"""
+
+# The controls a person can flip, in page order; each gets a data-flip index
+# so Playwright can address it.
+JS_CONTROLS = "(path) => {" + PANEL + """
+  const root = panel.content.node;
+  const found = [];
+  const add = (el, kind, widget) => {
+    if (el.disabled || el.closest('.jp-OutputArea') === null) return;
+    el.setAttribute('data-flip', String(found.length));
+    const text = (widget || el).innerText || el.getAttribute('aria-label') || '';
+    found.push({index: found.length, kind,
+                label: text.replace(/[\u200b\s]+/g, ' ').trim().slice(0, 60)});
+  };
+  root.querySelectorAll('.widget-dropdown select, .widget-select select').forEach(
+      el => add(el, 'select', el.closest('.widget-inline-hbox') || el.parentElement));
+  root.querySelectorAll('.widget-checkbox input[type=checkbox]').forEach(
+      el => add(el, 'checkbox', el.closest('.widget-checkbox')));
+  root.querySelectorAll('button.widget-toggle-button').forEach(el => add(el, 'toggle', null));
+  root.querySelectorAll('.widget-toggle-buttons').forEach(group => {
+    const next = group.querySelector('button:not(.mod-active)');
+    if (next) add(next, 'toggle-buttons', group);
+  });
+  root.querySelectorAll('.widget-radio-box').forEach(group => {
+    const next = group.querySelector('input[type=radio]:not(:checked)');
+    if (next) add(next, 'radio', group.closest('.widget-radio') || group);
+  });
+  root.querySelectorAll('.widget-slider .noUi-handle').forEach(el => {
+    const handle = el;
+    const widget = el.closest('.widget-slider');
+    if (widget.querySelector('[disabled]')) return;
+    const at_max = handle.getAttribute('aria-valuenow') === handle.getAttribute('aria-valuemax');
+    add(handle, at_max ? 'slider-down' : 'slider-up', widget);
+  });
+  return found;
+}"""
+
+
+@dataclass
+class Flip:
+    kind: str
+    label: str
+    figures_changed: int = 0
+    text_changed: bool = False
+    seconds: float = 0.0
+
+    @property
+    def changed(self) -> bool:
+        return self.figures_changed > 0 or self.text_changed
+
+
+@dataclass
+class Notebook:
+    """One notebook open in the page, with the checks as methods."""
+
+    page: object
+    path: str  # relative to the server root
+    screenshots: Path
+    timings: dict = field(default_factory=dict)
+
+    def state(self) -> dict:
+        return self.page.evaluate(JS_STATE, self.path)
+
+    def wait_ready(self, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        state = {}
+        while time.monotonic() < deadline:
+            state = self.state()
+            if state["phase"] == "dialog":
+                pytest.fail(f"{self.path}: JupyterLab opened a dialog: {state['text']!r}")
+            if state["phase"] == "open" and state["kernel"] == "idle":
+                return
+            time.sleep(0.5)
+        pytest.fail(f"{self.path}: notebook and kernel not ready after {timeout:.0f}s: {state}")
+
+    def run_all(self) -> dict:
+        """Run > Run All Cells, through the menu; wait until the kernel is done."""
+        self.page.click(".lm-MenuBar-item:has-text('Run')")
+        self.page.click(".lm-Menu-item[data-command='runmenu:run-all']")
+        start = time.monotonic()
+        quiet_since = None
+        state = {}
+        while time.monotonic() - start < RUN_ALL_TIMEOUT:
+            state = self.state()
+            if state["phase"] == "dialog":
+                pytest.fail(f"{self.path}: JupyterLab opened a dialog: {state['text']!r}")
+            started = state["done"] > 0 or state["errors"]
+            if started and state["running"] == 0 and state["kernel"] == "idle":
+                quiet_since = quiet_since or time.monotonic()
+                if time.monotonic() - quiet_since > 1.0:
+                    break
+            else:
+                quiet_since = None
+            time.sleep(0.5)
+        else:
+            pytest.fail(
+                f"{self.path}: Run All did not finish within {RUN_ALL_TIMEOUT:.0f}s; "
+                f"still running cell {state.get('current')}: {state}"
+            )
+        self.timings["run_all"] = time.monotonic() - start
+        return state
+
+    def outputs(self) -> dict:
+        return self.page.evaluate(JS_OUTPUTS, self.path)
+
+    def snapshot(self) -> dict:
+        return self.page.evaluate(JS_SNAPSHOT, self.path)
+
+    def kernel_eval(self, code: str, expression: str) -> object:
+        """Run `code` silently in the notebook's kernel and return `expression` (JSON)."""
+        js = "async ([path, code, expr]) => {" + PANEL + """
+          const kernel = panel.sessionContext.session.kernel;
+          const future = kernel.requestExecute({code, silent: true, store_history: false,
+                                                user_expressions: {result: expr}});
+          const reply = await future.done;
+          const r = reply.content.user_expressions.result;
+          return r.status === 'ok' ? r.data['text/plain'] : ('ERROR ' + r.ename + ': ' + r.evalue);
+        }"""
+        text = self.page.evaluate(js, [self.path, code, f"__import__('json').dumps({expression})"])
+        if text.startswith("ERROR"):
+            raise RuntimeError(f"kernel: {text}")
+        return json.loads(ast.literal_eval(text))  # the repr of a JSON string
+
+    def screenshot(self, name: str) -> None:
+        """The whole notebook in one picture: make the window as tall as the notebook."""
+        height = self.page.evaluate(
+            "(path) => {" + PANEL + """
+              app.shell.collapseLeft();
+              const inner = panel.node.querySelector('.jp-WindowedPanel-inner');
+              panel.node.querySelector('.jp-WindowedPanel-outer').scrollTop = 0;
+              return inner.scrollHeight + panel.content.node.getBoundingClientRect().top + 40; }""",
+            self.path,
+        )
+        width = self.page.viewport_size["width"]
+        self.page.set_viewport_size({"width": width, "height": int(min(max(height, 1000), 16000))})
+        time.sleep(1.0)  # let plotly re-lay-out responsive figures
+        self.page.screenshot(path=str(self.screenshots / name))
+        self.page.set_viewport_size({"width": width, "height": 1000})
+
+
+# The kernel side of the figure count: how many FigureWidgets (and plotly
+# figures captured by Output widgets) each displayed widget holds.
+CENSUS_CODE = '''
+def __dflash_lab_figure_census(model_ids):
+    from ipywidgets.widgets.widget import _instances
+    try:
+        from plotly.basewidget import BaseFigureWidget
+    except ImportError:
+        BaseFigureWidget = type(None)
+    def count(widget, seen):
+        if widget is None or id(widget) in seen:
+            return 0
+        seen.add(id(widget))
+        n = isinstance(widget, BaseFigureWidget)
+        for out in getattr(widget, "outputs", None) or ():
+            n += isinstance(out, dict) and "application/vnd.plotly.v1+json" in out.get("data", {})
+        for child in getattr(widget, "children", None) or ():
+            n += count(child, seen)
+        return int(n)
+    return {m: count(_instances.get(m), set()) for m in model_ids}
+'''
+
+
+def new_tracebacks(log_text: str, since: int) -> list[str]:
+    """Tracebacks the kernel wrote to the server log after offset `since` (widget callbacks)."""
+    found, current = [], None
+    for line in ANSI.sub("", log_text[since:]).splitlines():
+        if line.startswith("Traceback (most recent call last)"):
+            current = [line]
+        elif current is not None:
+            current.append(line)
+            if line and not line[0].isspace():  # the exception line ends it
+                found.append("\n".join(current))
+                current = None
+    return found
+
+
+def check_rendered(nb: Notebook) -> tuple[list[str], dict]:
+    """Problems with the figures and widget views now on the page ([] when all is well)."""
+    found = nb.outputs()
+    problems = []
+    for plot in found["plots"]:
+        where = f"cell {plot['cell']} output {plot['output']} figure {plot['title']!r}"
+        if not plot["svg"]:
+            problems.append(f"{where}: no SVG")
+        elif plot["traces"] == 0:
+            problems.append(f"{where}: the figure has no data traces")
+        elif plot["drawn"] == 0:
+            problems.append(f"{where}: {plot['traces']} trace(s) but nothing drawn")
+    model_ids = [o["model_id"] for o in found["outputs"] if o["model_id"]]
+    census = nb.kernel_eval(CENSUS_CODE, f"__dflash_lab_figure_census({model_ids!r})") if model_ids else {}
+    for out in found["outputs"]:
+        where = f"cell {out['cell']} output {out['output']}"
+        if out["bad"]:
+            problems.append(f"{where}: widget shows {out['bad']!r}: {out['text']!r}")
+        expected = out["plotly_mime"] + (census.get(out["model_id"]) or 0)
+        if out["plots"] < expected:
+            problems.append(f"{where}: {expected} figure(s) expected, {out['plots']} rendered")
+    return problems, found
+
+
+def wait_rendered(nb: Notebook) -> dict:
+    deadline = time.monotonic() + RENDER_TIMEOUT
+    while True:
+        problems, found = check_rendered(nb)
+        if not problems:
+            return found
+        if time.monotonic() > deadline:
+            pytest.fail(f"{nb.path}: not everything rendered:\n  " + "\n  ".join(problems), pytrace=False)
+        time.sleep(1.0)
+
+
+def flip(nb: Notebook, control: dict, server) -> Flip:
+    """Flip one control and wait until the page settles; report what changed."""
+    page, result = nb.page, Flip(control["kind"], control["label"])
+    before = nb.snapshot()
+    log_offset = len(server.log_text())
+    target = page.locator(f"[data-flip='{control['index']}']")
+    target.scroll_into_view_if_needed()
+    start = time.monotonic()
+    if control["kind"] == "select":
+        options = target.evaluate("el => Array.from(el.options).map(o => o.value)")
+        current = target.evaluate("el => el.selectedIndex")
+        target.select_option(options[(current + 1) % len(options)])
+    elif control["kind"].startswith("slider"):
+        target.focus()
+        page.keyboard.press("ArrowRight" if control["kind"] == "slider-up" else "ArrowLeft")
+    else:
+        target.click()
+    # Settle: the page has changed and stayed the same for 1.5 s with the kernel idle,
+    # or nothing has changed by the time the kernel has been idle for 3 s.
+    last, stable_since, idle_since = before, None, None
+    while time.monotonic() - start < FLIP_TIMEOUT:
+        time.sleep(0.25)
+        now = nb.snapshot()
+        idle = now["kernel"] == "idle"
+        idle_since = (idle_since or time.monotonic()) if idle else None
+        if now != last:
+            last, stable_since = now, time.monotonic()
+        changed = now["figures"] != before["figures"] or now["texts"] != before["texts"]
+        if changed and idle and time.monotonic() - stable_since > 1.5:
+            break
+        if not changed and idle_since and time.monotonic() - idle_since > 3.0:
+            break
+    result.seconds = time.monotonic() - start
+    after = last
+    result.figures_changed = sum(
+        a != b for a, b in zip(before["figures"], after["figures"])
+    ) + abs(len(before["figures"]) - len(after["figures"]))
+    result.text_changed = before["texts"] != after["texts"]
+    tracebacks = new_tracebacks(server.log_text(), log_offset)
+    if tracebacks:
+        pytest.fail(
+            f"{nb.path}: flipping {control['kind']} {control['label']!r} raised in the kernel:\n"
+            + "\n".join(tracebacks),
+            pytrace=False,
+        )
+    return result
+
+
+def test_notebook_runs_renders_and_reacts(notebook, lab_server, lab_page, screenshots):
+    page = lab_page
+    rel = f"notebooks/{notebook.name}"
+    nb = Notebook(page, rel, screenshots)
+    for old in screenshots.glob(f"{notebook.stem}.*png"):  # no picture from an earlier run passes for this one
+        old.unlink()
+    started = time.monotonic()
+    try:
+        page.goto(f"{lab_server.url}/lab/tree/{rel}?token={lab_server.token}&reset")
+        nb.wait_ready()
+        state = nb.run_all()
+
+        # 1. no error outputs; every code cell ran
+        if state["errors"]:
+            err = state["errors"][0]
+            pytest.fail(
+                f"{rel}: cell {err['cell']} raised {err['ename']}: {err['evalue']}\n"
+                + ANSI.sub("", err["traceback"]),
+                pytrace=False,
+            )
+        assert state["done"] == state["code"], f"{rel}: only {state['done']} of {state['code']} code cells ran"
+
+        # 2-3. figures drawn, widget views rendered
+        found = wait_rendered(nb)
+        nb.screenshot(f"{notebook.stem}.png")
+
+        # 4. the controls react
+        controls = page.evaluate(JS_CONTROLS, rel)
+        assert controls, f"{rel}: no widget control (dropdown, checkbox, toggle, radio, slider) found"
+        flips = [flip(nb, c, lab_server) for c in controls[:MAX_FLIPS]]
+        for f in flips:
+            print(f"{rel}: flipped {f.kind} {f.label!r}: {f.figures_changed} figure(s) changed, "
+                  f"text changed: {f.text_changed}, {f.seconds:.1f}s")
+        dead = [f for f in flips if not f.changed]
+        assert not dead, f"{rel}: controls that changed nothing on the page: " + ", ".join(
+            f"{f.kind} {f.label!r}" for f in dead
+        )
+        assert any(f.figures_changed for f in flips), f"{rel}: no control changed a figure"
+        wait_rendered(nb)  # the figures the flips redrew are still drawn
+        nb.screenshot(f"{notebook.stem}.flipped.png")
+        print(
+            f"{rel}: {len(found['plots'])} figure(s), {len(controls)} control(s); run all "
+            f"{nb.timings['run_all']:.0f}s, whole test {time.monotonic() - started:.0f}s"
+        )
+    except BaseException:
+        try:  # a picture of the failure
+            page.screenshot(path=str(screenshots / f"{notebook.stem}.FAILED.png"))
+        except Exception:
+            pass
+        raise
