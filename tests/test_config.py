@@ -1,0 +1,162 @@
+"""DFlashDrafterConfig enforces vLLM 0.33's Laguna DFlash rules with errors that name the key."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dflash_lab.config import ConfigError, DFlashDrafterConfig
+from dflash_lab.target import tiny_laguna_config
+
+
+def target_dict(**overrides) -> dict:
+    """A target that the small drafter config (tests/conftest.py) can serve."""
+    return {"vocab_size": 128, "num_hidden_layers": 6, "hidden_size": 64, **overrides}
+
+
+# --- the valid config ---------------------------------------------------------
+
+
+def test_small_config_reads_and_round_trips(drafter_config_dict):
+    cfg = DFlashDrafterConfig.from_dict(drafter_config_dict())
+    assert (cfg.num_hidden_layers, cfg.target_layer_ids, cfg.mask_token_id, cfg.block_size) == (2, [1, 3], 5, 4)
+    assert cfg.rotary_dim == 8  # full attention: Laguna rotates half of each head
+    assert DFlashDrafterConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_to_dict_is_what_vllm_reads(drafter_config_dict):
+    d = DFlashDrafterConfig.from_dict(drafter_config_dict()).to_dict()
+    assert d["architectures"] == ["DFlashLagunaForCausalLM"]
+    assert d["dflash_config"] == {"target_layer_ids": [1, 3], "mask_token_id": 5, "block_size": 4}
+    assert d["draft_vocab_size"] == d["vocab_size"] == 128
+    assert d["mlp_layer_types"] == ["dense", "dense"]
+
+
+# --- vLLM's rules, one test each ---------------------------------------------------
+
+
+def test_missing_layer_types_is_rejected(drafter_config_dict):
+    d = drafter_config_dict()
+    del d["layer_types"]
+    with pytest.raises(ValueError, match="`layer_types` is missing"):
+        DFlashDrafterConfig.from_dict(d)
+
+
+def test_layer_types_length_must_match_num_hidden_layers(drafter_config_dict):
+    d = drafter_config_dict(num_hidden_layers=3)
+    with pytest.raises(ValueError, match=r"`layer_types` has length 2.*num_hidden_layers 3"):
+        DFlashDrafterConfig.from_dict(d)
+
+
+def test_mixed_layer_types_are_rejected(drafter_config_dict):
+    d = drafter_config_dict(layer_types=["full_attention", "sliding_attention"])
+    with pytest.raises(NotImplementedError) as e:
+        DFlashDrafterConfig.from_dict(d)
+    msg = str(e.value)
+    assert "`layer_types`" in msg and "full_attention" in msg and "sliding_attention" in msg
+
+
+def test_empty_target_layer_ids_is_rejected(drafter_config_dict):
+    d = drafter_config_dict(dflash_config={"target_layer_ids": [], "mask_token_id": 5})
+    with pytest.raises(ValueError, match=r"`dflash_config\.target_layer_ids` is empty"):
+        DFlashDrafterConfig.from_dict(d)
+
+
+def test_missing_draft_vocab_size_is_rejected(drafter_config_dict):
+    d = drafter_config_dict()
+    del d["draft_vocab_size"]
+    with pytest.raises(ValueError, match="`draft_vocab_size` is missing"):
+        DFlashDrafterConfig.from_dict(d)
+
+
+def test_mask_token_outside_draft_vocab_is_rejected(drafter_config_dict):
+    d = drafter_config_dict(dflash_config={"target_layer_ids": [1], "mask_token_id": 128})
+    with pytest.raises(ValueError, match=r"`dflash_config\.mask_token_id` \(128\) is outside the vocabulary"):
+        DFlashDrafterConfig.from_dict(d)
+
+
+def test_sliding_drafter_needs_a_window(drafter_config_dict):
+    d = drafter_config_dict(layer_types=["sliding_attention"] * 2)
+    del d["sliding_window"]
+    with pytest.raises(ValueError, match="`sliding_window` is missing"):
+        DFlashDrafterConfig.from_dict(d)
+
+
+@pytest.mark.parametrize("key,value,exc", [
+    ("num_key_value_heads", 3, ValueError),  # 4 heads are not divisible into 3 groups
+    ("gating", "per-channel", ValueError),
+    ("hidden_act", "gelu", ValueError),
+    ("hidden_size", "64", TypeError),
+])
+def test_bad_values_name_their_key(drafter_config_dict, key, value, exc):
+    with pytest.raises(exc, match=f"`{key}`|{key}"):
+        DFlashDrafterConfig.from_dict(drafter_config_dict(**{key: value}))
+
+
+def test_errors_name_the_file(tmp_path, drafter_config_dict):
+    d = drafter_config_dict()
+    del d["layer_types"]
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    with pytest.raises(ValueError, match=f"{tmp_path / 'config.json'}.*`layer_types`"):
+        DFlashDrafterConfig.from_pretrained(tmp_path)
+
+
+def test_invalid_json_names_the_file(tmp_path):
+    (tmp_path / "config.json").write_text('{"hidden_size": 64,,}')
+    with pytest.raises(ConfigError) as e:
+        DFlashDrafterConfig.from_pretrained(tmp_path)
+    assert str(tmp_path / "config.json") in str(e.value) and "not valid JSON" in str(e.value)
+
+
+def test_missing_config_file_names_the_path(tmp_path):
+    with pytest.raises(FileNotFoundError, match=str(tmp_path / "config.json")):
+        DFlashDrafterConfig.from_pretrained(tmp_path)
+
+
+# --- pairing with a target ------------------------------------------------------
+
+
+def test_matching_target_is_accepted(drafter_config_dict):
+    cfg = DFlashDrafterConfig.from_dict(drafter_config_dict())
+    cfg.validate_against_target(target_dict())
+    cfg.validate_against_target(tiny_laguna_config(vocab_size=128, hidden_size=64))  # a LagunaConfig works too
+
+
+def test_vocab_mismatch_is_rejected(drafter_config_dict):
+    cfg = DFlashDrafterConfig.from_dict(drafter_config_dict())
+    with pytest.raises(ValueError, match=r"`draft_vocab_size` 128 != target vocab_size 4096"):
+        cfg.validate_against_target(tiny_laguna_config(vocab_size=4096, hidden_size=64))
+
+
+def test_target_layer_id_out_of_range_is_rejected(drafter_config_dict):
+    cfg = DFlashDrafterConfig.from_dict(drafter_config_dict(dflash_config={"target_layer_ids": [1, 6], "mask_token_id": 5}))
+    with pytest.raises(ValueError, match=r"`dflash_config\.target_layer_ids` \[6\] do not exist.*6 layers"):
+        cfg.validate_against_target(target_dict())
+
+
+def test_mask_token_outside_target_vocab_is_rejected(drafter_config_dict):
+    # from_dict already keeps mask_token_id < draft_vocab_size; a config built or
+    # edited in code is still checked against the target.
+    cfg = DFlashDrafterConfig.from_dict(drafter_config_dict())
+    cfg.mask_token_id = 128
+    with pytest.raises(ValueError, match=r"`dflash_config\.mask_token_id` 128 is outside the target vocabulary"):
+        cfg.validate_against_target(target_dict())
+
+
+def test_target_hidden_size_must_fit_fc(drafter_config_dict):
+    cfg = DFlashDrafterConfig.from_dict(drafter_config_dict())
+    with pytest.raises(ValueError, match=r"`fc` expects target hidden size 64.*hidden_size is 96"):
+        cfg.validate_against_target(target_dict(hidden_size=96))
+
+
+def test_target_layer_count_must_match_target_depth(drafter_config_dict):
+    cfg = DFlashDrafterConfig.from_dict(drafter_config_dict())
+    with pytest.raises(ValueError, match=r"`target_layer_count` 6 != target num_hidden_layers 8"):
+        cfg.validate_against_target(target_dict(num_hidden_layers=8))
+
+
+def test_incomplete_target_config_is_rejected(drafter_config_dict):
+    cfg = DFlashDrafterConfig.from_dict(drafter_config_dict())
+    with pytest.raises(ValueError, match="vocab_size, num_hidden_layers and hidden_size"):
+        cfg.validate_against_target({"vocab_size": 128})

@@ -1,0 +1,243 @@
+"""The drafter: three context-K/V paths that agree, and the block forward's visibility rules."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflash_lab.drafter import CONTEXT_KV_PATHS, dflash_attention_mask
+
+FAST_PATHS = [p for p in CONTEXT_KV_PATHS if p != "reference"]
+LAYER_FLAVOURS = [  # (layer type, its partial rotary factor in Laguna's defaults)
+    pytest.param("full_attention", 0.5, id="full-rotary0.5"),
+    pytest.param("sliding_attention", 1.0, id="sliding-rotary1.0"),
+]
+GATINGS = [pytest.param(True, id="gate-per-head"), pytest.param("per-element", id="gate-per-element")]
+
+
+def context(n: int, hidden: int = 64, *, seed: int = 1, dtype=torch.float32, start: int = 0):
+    """Random context states with a non-unit scale, and their positions."""
+    g = torch.Generator().manual_seed(seed)
+    states = 3.0 * torch.randn(n, hidden, generator=g) + 0.5
+    return states.to(dtype), torch.arange(start, start + n)
+
+
+def kv_errors(a, b):
+    return [(x.float() - y.float()).abs() for x, y in zip(a, b)]
+
+
+# --- the three paths agree --------------------------------------------------------
+
+
+@pytest.mark.parametrize("gating", GATINGS)
+@pytest.mark.parametrize("layer_type,rotary_factor", LAYER_FLAVOURS)
+@pytest.mark.parametrize("layers", [1, 3, 5])
+@pytest.mark.parametrize("n_ctx", [1, 37, 160])
+def test_context_kv_paths_agree_in_float32(make_drafter, layers, layer_type, rotary_factor, gating, n_ctx):
+    drafter = make_drafter(layers, layer_type, gating, seed=layers)
+    assert drafter.config.rotary_dim == int(drafter.config.head_dim * rotary_factor)
+    states, positions = context(n_ctx, start=5)
+    ref = drafter.precompute_context_kv(states, positions, path="reference")
+    L, nkv, hd = layers, drafter.config.num_key_value_heads, drafter.config.head_dim
+    assert [tuple(t.shape) for t in ref] == [(L, n_ctx, nkv, hd)] * 2
+    for path in FAST_PATHS:
+        out = drafter.precompute_context_kv(states, positions, path=path)
+        assert [tuple(t.shape) for t in out] == [(L, n_ctx, nkv, hd)] * 2
+        k_err, v_err = kv_errors(out, ref)
+        assert k_err.max() <= 1e-5 and v_err.max() <= 1e-5, (path, k_err.max().item(), v_err.max().item())
+
+
+@pytest.mark.parametrize("layer_type,rotary_factor", LAYER_FLAVOURS)
+@pytest.mark.parametrize("layers", [1, 3, 5])
+@pytest.mark.parametrize("n_ctx", [16, 200])
+def test_context_kv_paths_agree_in_bfloat16(make_drafter, layers, layer_type, rotary_factor, n_ctx):
+    drafter = make_drafter(layers, layer_type, seed=10 + layers, dtype=torch.bfloat16)
+    states, positions = context(n_ctx, dtype=torch.bfloat16, start=3)
+    ref = drafter.precompute_context_kv(states, positions, path="reference")
+    # The same (bf16-rounded) weights and inputs in float32: what every bf16 path approximates.
+    truth = make_drafter(layers, layer_type, seed=10 + layers, dtype=torch.bfloat16).float().precompute_context_kv(
+        states.float(), positions, path="reference")
+    assert all(t.dtype == torch.bfloat16 for t in ref)
+    for path in CONTEXT_KV_PATHS:
+        out = drafter.precompute_context_kv(states, positions, path=path)
+        for against, expected in [("bf16 reference", ref), ("float32", truth)]:
+            for name, err in zip("KV", kv_errors(out, expected)):
+                assert err.max() <= 6e-2 and err.mean() <= 5e-3, (path, against, name, err.max().item(), err.mean().item())
+
+
+def test_context_k_has_unit_rms_before_its_norm_weight(make_drafter):
+    # K-norm makes every head vector unit-RMS, then scales by k_norm.weight; RoPE keeps norms.
+    drafter = make_drafter(2, "sliding_attention")
+    for layer in drafter.layers:
+        layer.self_attn.k_norm.weight.data.fill_(1.0)
+    k, _ = drafter.precompute_context_kv(*context(20), path="folded")
+    torch.testing.assert_close(k.pow(2).mean(-1), torch.ones(k.shape[:-1]), atol=1e-4, rtol=0)
+
+
+def test_fast_paths_follow_weight_updates(make_drafter):
+    # The stacked/folded buffers are built once; an in-place weight update must rebuild them.
+    drafter = make_drafter(2)
+    states, positions = context(9)
+    drafter.precompute_context_kv(states, positions, path="folded")
+    with torch.no_grad():
+        drafter.layers[1].input_layernorm.weight.mul_(2.0)
+        drafter.layers[0].self_attn.qkv_proj.weight.add_(0.01)
+    ref = drafter.precompute_context_kv(states, positions, path="reference")
+    for path in FAST_PATHS:
+        k_err, v_err = kv_errors(drafter.precompute_context_kv(states, positions, path=path), ref)
+        assert k_err.max() <= 1e-5 and v_err.max() <= 1e-5, path
+
+
+def test_unknown_path_and_bad_shapes_are_rejected(make_drafter):
+    drafter = make_drafter(1)
+    states, positions = context(4)
+    with pytest.raises(ValueError, match="path must be one of"):
+        drafter.precompute_context_kv(states, positions, path="fused")
+    with pytest.raises(ValueError, match=r"context must be \(N, 64\)"):
+        drafter.precompute_context_kv(states[:, :32], positions)
+    with pytest.raises(ValueError, match=r"positions must be \(4,\)"):
+        drafter.precompute_context_kv(states, positions[:3])
+
+
+# --- combine_hidden_states ------------------------------------------------------------
+
+
+def test_combine_hidden_states_matches_a_hand_computation(make_drafter):
+    drafter = make_drafter(1)
+    cfg, eps = drafter.config, drafter.config.rms_norm_eps
+    aux = 4.0 * torch.randn(6, len(cfg.target_layer_ids) * cfg.target_hidden_size, generator=torch.Generator().manual_seed(3))
+    x = aux.double().view(6, len(cfg.target_layer_ids), cfg.target_hidden_size)
+    w = torch.stack([n.weight.double() for n in drafter.aux_hidden_norms])  # (n_aux, H_t)
+    normed = x / (x.pow(2).mean(-1, keepdim=True) + eps).sqrt() * w  # each slice with its own norm
+    projected = normed.flatten(1) @ drafter.fc.weight.double().T
+    expected = projected / (projected.pow(2).mean(-1, keepdim=True) + eps).sqrt() * drafter.hidden_norm.weight.double()
+    got = drafter.combine_hidden_states(aux)
+    assert got.shape == (6, cfg.hidden_size)
+    torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_combine_hidden_states_rejects_the_wrong_width(make_drafter):
+    drafter = make_drafter(1)
+    with pytest.raises(ValueError, match="expected 2 target layers x hidden 64 = 128"):
+        drafter.combine_hidden_states(torch.zeros(3, 64))
+
+
+# --- naming ---------------------------------------------------------------------------
+
+
+def test_drafter_layers_are_named_after_the_target_layers(make_drafter):
+    drafter = make_drafter(3)  # target_layer_count 6 in the config
+    assert drafter.attention_layer_names() == [f"model.layers.{6 + j}.self_attn.attn" for j in range(3)]
+
+
+def test_layer_names_default_to_one_past_the_deepest_target_layer(make_drafter):
+    drafter = make_drafter(2, target_layer_count=None)  # target_layer_ids [1, 3]
+    assert drafter.attention_layer_names() == ["model.layers.4.self_attn.attn", "model.layers.5.self_attn.attn"]
+
+
+# --- the block forward: what a block query sees -------------------------------------------
+
+
+def draft_block(drafter, ctx_len=12, block_size=4, *, seed=2, block_start=None):
+    """Inputs of one block: a K/V store of positions 0..ctx_len-1 and a block at
+    block_start (default: right after the context)."""
+    g = torch.Generator().manual_seed(seed)
+    H = drafter.config.hidden_size
+    cpos = torch.arange(ctx_len)
+    k, v = drafter.precompute_context_kv(torch.randn(ctx_len, H, generator=g), cpos)
+    block = torch.randn(1, block_size, H, generator=g)
+    start = ctx_len if block_start is None else block_start
+    positions = torch.arange(start, start + block_size)[None]
+    return block, positions, k, v, cpos
+
+
+def run(drafter, block, positions, k, v, cpos, **kw):
+    with torch.no_grad():
+        return drafter(block, positions, k, v, cpos, **kw)
+
+
+@pytest.mark.parametrize("gating", GATINGS)
+@pytest.mark.parametrize("layer_type,rotary_factor", LAYER_FLAVOURS)
+def test_block_attention_is_not_causal(make_drafter, layer_type, rotary_factor, gating):
+    drafter = make_drafter(2, layer_type, gating)
+    block, positions, k, v, cpos = draft_block(drafter)
+    out = run(drafter, block, positions, k, v, cpos)
+    assert out.shape == block.shape
+    changed = block.clone()
+    changed[0, -1] += 1.0  # the LAST block token
+    out2 = run(drafter, changed, positions, k, v, cpos)
+    assert (out2[0, 0] - out[0, 0]).abs().max() > 1e-4  # ... reaches the FIRST position
+
+
+def test_context_at_or_after_the_block_start_is_never_seen(make_drafter):
+    drafter = make_drafter(2, "full_attention")
+    # The K/V store holds positions 0..15, the block starts at 12: 12..15 are the
+    # block's own positions and must come from the block, never from the store.
+    block, positions, k, v, cpos = draft_block(drafter, ctx_len=16, block_start=12)
+    out = run(drafter, block, positions, k, v, cpos)
+    k2, v2 = k.clone(), v.clone()
+    k2[:, 12:] = 50.0
+    v2[:, 12:] = -50.0
+    torch.testing.assert_close(run(drafter, block, positions, k2, v2, cpos), out, atol=0, rtol=0)
+    k2[:, 11] += 1.0  # control: the last context position before the block IS seen
+    assert (run(drafter, block, positions, k2, v2, cpos) - out).abs().max() > 1e-4
+
+
+def test_sliding_window_hides_context_outside_the_window(make_drafter):
+    window = 8
+    drafter = make_drafter(2, "sliding_attention", sliding_window=window)
+    block, positions, k, v, cpos = draft_block(drafter, ctx_len=20)  # block at 20..23
+    out = run(drafter, block, positions, k, v, cpos)
+    # The first query (position 20) sees context 13..19; later queries see less.
+    outside, inside = 20 - window, 20 - window + 1
+    k2, v2 = k.clone(), v.clone()
+    k2[:, : outside + 1] += 3.0
+    v2[:, : outside + 1] -= 3.0
+    torch.testing.assert_close(run(drafter, block, positions, k2, v2, cpos), out, atol=0, rtol=0)
+    k3 = k.clone()
+    k3[:, inside] += 3.0
+    assert (run(drafter, block, positions, k3, v, cpos) - out).abs().max() > 1e-4
+    # The same change outside the window is seen once the window is lifted.
+    full = run(drafter, block, positions, k, v, cpos, window=None)
+    assert (run(drafter, block, positions, k2, v2, cpos, window=None) - full).abs().max() > 1e-4
+
+
+def test_attention_mask_layout():
+    # Two blocks of 3 at positions 4..6 and 7..9 over a context of positions 0..6.
+    positions = torch.arange(4, 10)[None]
+    mask = dflash_attention_mask(positions, torch.arange(7), block_size=3)
+    ctx, blk = mask[0, :, :7], mask[0, :, 7:]
+    assert ctx[:3].tolist() == [[True] * 4 + [False] * 3] * 3  # block 1 sees context before 4
+    assert ctx[3:].tolist() == [[True] * 7] * 3  # block 2 sees context before 7
+    assert blk.tolist() == [[i // 3 == j // 3 for j in range(6)] for i in range(6)]  # own block, both directions
+    windowed = dflash_attention_mask(positions, torch.arange(7), block_size=3, window=2)[0, :, :7]
+    assert windowed[0].nonzero().flatten().tolist() == [3]  # query at 4 sees only position 3
+    with pytest.raises(ValueError, match="not a multiple of block_size 4"):
+        dflash_attention_mask(positions, torch.arange(7), block_size=4)
+
+
+# --- on a GPU ------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("layer_type,rotary_factor", LAYER_FLAVOURS)
+@pytest.mark.parametrize("layers", [1, 5])
+def test_context_kv_paths_agree_on_cuda(make_drafter, layers, layer_type, rotary_factor):
+    cpu = make_drafter(layers, layer_type, seed=20 + layers)
+    states, positions = context(1000, start=7)
+    cpu_ref = cpu.precompute_context_kv(states, positions, path="reference")
+    for dtype, max_tol, mean_tol in [(torch.float32, 1e-5, None), (torch.bfloat16, 6e-2, 5e-3)]:
+        drafter = make_drafter(layers, layer_type, seed=20 + layers, dtype=dtype).cuda()
+        s, p = states.to("cuda", dtype), positions.cuda()
+        ref = drafter.precompute_context_kv(s, p, path="reference")
+        if dtype == torch.float32:  # the GPU reference is the CPU reference
+            for err in kv_errors([t.cpu() for t in ref], cpu_ref):
+                assert err.max() <= 1e-4
+        for path in FAST_PATHS:
+            out = drafter.precompute_context_kv(s, p, path=path)
+            assert all(t.is_cuda and t.dtype == dtype and t.shape == r.shape for t, r in zip(out, ref))
+            for name, err in zip("KV", kv_errors(out, ref)):
+                assert err.max() <= max_tol, (dtype, path, name, err.max().item())
+                if mean_tol is not None:
+                    assert err.mean() <= mean_tol, (dtype, path, name, err.mean().item())
