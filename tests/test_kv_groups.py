@@ -1,0 +1,558 @@
+"""The drafter-group rules of upstream vLLM #55390, pinned on vLLM 0.33's real grouping.
+
+Every grouping here comes from vLLM's own ``get_kv_cache_groups`` on the CPU, on the
+general layout (LBHNC) and the block-outermost one (BLHNC, which takes the packed
+path when page sizes differ). Our rules are then applied on top.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+import typing
+from types import SimpleNamespace
+
+import pytest
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+pytest.importorskip("vllm", reason='vLLM 0.33 is needed: pip install "vllm==0.33.*"')
+
+from vllm.v1.kv_cache_interface import (  # noqa: E402
+    FullAttentionSpec,
+    KVCacheGroupSpec,
+    MambaSpec,
+    SlidingWindowSpec,
+    UniformTypeKVCacheSpecs,
+    iter_layer_specs,
+)
+
+from dflash_lab import kv_groups as kv  # noqa: E402
+from dflash_lab import viz  # noqa: E402
+
+LAYOUTS = ["LBHNC", "BLHNC"]
+DSV4_DRAFT_LAYER = "model.layers.3.self_attn.attn"
+MTP_LAYER = "mtp.layers.0.self_attn.attn"
+
+
+def flagged(groups):
+    return [g for g in groups if g.is_eagle_group]
+
+
+def holds_mamba(group):
+    return any(isinstance(s, MambaSpec) for s in iter_layer_specs(group.kv_cache_spec))
+
+
+def warned(caplog) -> bool:
+    return any(
+        r.name == "dflash_lab.kv_groups" and kv.DRAFT_GROUP_WARNING in r.getMessage() for r in caplog.records
+    )
+
+
+# ---------------------------------------------------------------------------
+# Rule 2: the trailing-layer rule (MTP anywhere, dspark on DeepSeek V4/V4.1)
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize(
+    ("method", "model_type"),
+    [("mtp", "deepseek_v4"), ("dspark", "deepseek_v4"), ("dspark", "deepseek_v41")],
+)
+def test_deepseek_v4_flags_exactly_the_group_holding_its_last_layer(method, model_type, layout):
+    # The draft layer reuses the target's decoder layer: no marker, only its position.
+    specs = kv.deepseek_v4_specs()
+    assert not any(s.is_draft for s in specs.values())
+    assert next(reversed(specs)) == DSV4_DRAFT_LAYER
+
+    groups = kv.kv_cache_groups(specs, method=method, model_type=model_type, layout=layout)
+
+    (draft,) = flagged(groups)
+    assert DSV4_DRAFT_LAYER in draft.layer_names
+
+
+def test_deepseek_v4_block_outermost_layout_takes_the_packed_path():
+    # The two MLA caches have different page sizes, so BLHNC packs them (one
+    # UniformTypeKVCacheSpecs per group) while LBHNC unifies the pages instead.
+    specs = kv.deepseek_v4_specs()
+    packed = kv.vllm_kv_cache_groups(specs, layout="BLHNC")
+    general = kv.vllm_kv_cache_groups(specs, layout="LBHNC")
+    assert all(isinstance(g.kv_cache_spec, UniformTypeKVCacheSpecs) for g in packed)
+    assert not any(isinstance(g.kv_cache_spec, UniformTypeKVCacheSpecs) for g in general)
+    assert len({g.kv_cache_spec.page_size_bytes for g in general}) == 1
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("model_type", ["glm4_moe", "laguna", "qwen3_next", None])
+def test_trailing_layer_rule_applies_to_mtp_on_any_model_type(model_type, layout):
+    assert kv.uses_trailing_mtp_layers("mtp", model_type)
+    groups = kv.kv_cache_groups(kv.deepseek_v4_specs(), method="mtp", model_type=model_type, layout=layout)
+    (draft,) = flagged(groups)
+    assert DSV4_DRAFT_LAYER in draft.layer_names
+
+
+@pytest.mark.parametrize("method", ["dspark", "eagle", "eagle3", "dflash"])
+def test_trailing_layer_rule_is_off_for_other_drafters(method):
+    assert not kv.uses_trailing_mtp_layers(method, "qwen3_5")
+    groups = kv.kv_cache_groups(kv.deepseek_v4_specs(), method=method, model_type="glm4_moe", layout="BLHNC")
+    assert flagged(groups) == []
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("align_pages", [True, False])
+def test_qwen3_5_mtp_flags_only_the_group_holding_the_mtp_layer(layout, align_pages, caplog):
+    specs = kv.qwen3_5_hybrid_specs(with_mtp_layer=True, align_pages=align_pages)
+    with caplog.at_level(logging.WARNING):
+        groups = kv.kv_cache_groups(specs, method="mtp", model_type="qwen3_5", layout=layout)
+
+    (draft,) = flagged(groups)
+    assert MTP_LAYER in draft.layer_names
+    assert any(holds_mamba(g) for g in groups)
+    assert not any(holds_mamba(g) for g in flagged(groups))
+    assert not warned(caplog)
+
+
+def test_qwen3_5_with_unaligned_pages_is_packed_on_the_block_outermost_layout():
+    # Without vLLM's page alignment the GDN state and attention pages differ, so the
+    # packed path runs: the rule above is then checked on both paths.
+    specs = kv.qwen3_5_hybrid_specs(align_pages=False)
+    packed = kv.vllm_kv_cache_groups(specs, layout="BLHNC")
+    general = kv.vllm_kv_cache_groups(specs, layout="LBHNC")
+    assert all(isinstance(g.kv_cache_spec, UniformTypeKVCacheSpecs) for g in packed)
+    assert [g.layer_names for g in packed] != [g.layer_names for g in general]
+
+
+# ---------------------------------------------------------------------------
+# Rule 3: the warning
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("method", ["eagle", "eagle3", "dspark"])
+def test_qwen3_5_with_a_non_mtp_drafter_flags_nothing_and_warns(method, layout, caplog):
+    specs = kv.qwen3_5_hybrid_specs(with_mtp_layer=True)
+    with caplog.at_level(logging.WARNING, logger="dflash_lab.kv_groups"):
+        groups = kv.kv_cache_groups(specs, method=method, model_type="qwen3_5", layout=layout)
+    assert flagged(groups) == []
+    assert warned(caplog)
+
+
+@pytest.mark.parametrize("method", [None, "ngram", "draft_model"])
+def test_no_warning_without_an_eagle_family_drafter(method, caplog):
+    with caplog.at_level(logging.WARNING):
+        groups = kv.kv_cache_groups(kv.qwen3_5_hybrid_specs(), method=method, model_type="qwen3_5")
+    assert flagged(groups) == []
+    assert not warned(caplog)
+
+
+def test_no_warning_when_no_group_holds_mamba(caplog):
+    # Laguna has no Mamba layers: an unflagged eagle drafter is not worth a warning.
+    specs = kv.laguna_target_specs(kv.EXAMPLE_LAGUNA_CONFIG)
+    with caplog.at_level(logging.WARNING):
+        groups = kv.kv_cache_groups(specs, method="eagle3", model_type="laguna")
+    assert flagged(groups) == []
+    assert not warned(caplog)
+
+
+def test_captured_warnings_collects_the_message_instead_of_logging_it(caplog):
+    with caplog.at_level(logging.WARNING), kv.captured_warnings() as messages:
+        kv.kv_cache_groups(kv.qwen3_5_hybrid_specs(), method="eagle", model_type="qwen3_5")
+    assert len(messages) == 1 and kv.DRAFT_GROUP_WARNING in messages[0]
+    assert not warned(caplog)
+
+
+# ---------------------------------------------------------------------------
+# The exact-partition guard of rule 2
+# ---------------------------------------------------------------------------
+
+
+def _regroup(groups, edit):
+    return [KVCacheGroupSpec(edit(list(g.layer_names)), g.kv_cache_spec) for g in groups]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_trailing_layer_rule_needs_an_exact_partition(layout):
+    specs = kv.qwen3_5_hybrid_specs(with_mtp_layer=True)
+    groups = kv.vllm_kv_cache_groups(specs, layout=layout)
+    assert kv.groups_partition_layers_exactly(specs, groups)
+    kv.annotate_draft_groups("mtp", "qwen3_5", specs, groups, use_trailing_layer_fallback=True)
+    assert len(flagged(groups)) == 1  # the untouched groups are flagged
+
+    dropped = _regroup(groups, lambda names: [n for n in names if n != "model.layers.0.linear_attn"])
+    first = groups[0].layer_names[0]
+    duplicated = _regroup(groups, lambda names: names if first in names else names + [first])
+    for bad in (dropped, duplicated):
+        assert not kv.groups_partition_layers_exactly(specs, bad)
+        kv.annotate_draft_groups("mtp", "qwen3_5", specs, bad, use_trailing_layer_fallback=True)
+        assert flagged(bad) == []  # the last layer is still in a group, but the rule must not fire
+
+
+def test_partition_check_rejects_a_layer_the_spec_does_not_have():
+    specs = kv.qwen3_5_hybrid_specs()
+    groups = kv.vllm_kv_cache_groups(specs)
+    renamed = _regroup(groups, lambda names: [n.replace("mtp.layers.0", "mtp.layers.9") for n in names])
+    assert not kv.groups_partition_layers_exactly(specs, renamed)
+
+
+def test_trailing_layer_rule_only_when_enabled():
+    specs = kv.deepseek_v4_specs()
+    groups = kv.vllm_kv_cache_groups(specs, layout="BLHNC")
+    kv.annotate_draft_groups("mtp", "deepseek_v4", specs, groups)
+    assert flagged(groups) == []
+
+
+# ---------------------------------------------------------------------------
+# Rule 1: the marker (DFlash on Laguna)
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("drafter_sliding", [False, True])
+def test_dflash_drafter_group_is_found_by_its_marker(layout, drafter_sliding):
+    specs = kv.laguna_dflash_specs(drafter_sliding=drafter_sliding)
+    drafter = {n for n, s in specs.items() if s.is_draft}
+    assert drafter == {f"model.layers.{6 + j}.self_attn.attn" for j in range(3)}
+    assert not kv.uses_trailing_mtp_layers("dflash", "laguna")
+
+    groups = kv.kv_cache_groups(specs, method="dflash", model_type="laguna", layout=layout)
+
+    assert [g for g in groups if drafter & set(g.layer_names)] == flagged(groups) != []
+    # The drafter's layers sit with the target's full-attention layers 2 and 5: one
+    # block table for all of them, so they share the draft group's treatment.
+    (draft,) = flagged(groups)
+    assert {"model.layers.2.self_attn.attn", "model.layers.5.self_attn.attn"} <= set(draft.layer_names)
+
+
+def test_marker_rule_does_not_depend_on_registration_order():
+    specs = kv.laguna_dflash_specs()
+    drafter_first = dict(sorted(specs.items(), key=lambda item: not item[1].is_draft))
+    groups = kv.kv_cache_groups(drafter_first, method="dflash", model_type="laguna")
+    (draft,) = flagged(groups)
+    assert "model.layers.6.self_attn.attn" in draft.layer_names
+
+
+def test_drafter_with_other_kv_heads_gets_groups_of_its_own_only_on_the_general_path():
+    drafter = dict(kv.example_dflash_drafter_config(kv.EXAMPLE_LAGUNA_CONFIG), num_key_value_heads=4)
+    specs = kv.laguna_dflash_specs(drafter_config=drafter)
+    drafter_layers = {n for n, s in specs.items() if s.is_draft}
+
+    # General path: pages are unified by giving the target a larger block, and the
+    # drafter's 3 layers form groups of their own (2 + 1): the marker finds both.
+    general = kv.kv_cache_groups(specs, method="dflash", model_type="laguna", layout="LBHNC")
+    assert len(flagged(general)) == 2
+    assert {n for g in flagged(general) for n in g.layer_names} == drafter_layers
+
+    packed = kv.kv_cache_groups(specs, method="dflash", model_type="laguna", layout="BLHNC")
+    (draft,) = flagged(packed)
+    assert drafter_layers < set(draft.layer_names)  # packed next to the target's full attention
+
+
+def test_vllm_033_grouping_flags_no_group_itself():
+    # In vLLM 0.33 get_kv_cache_groups leaves is_eagle_group False everywhere: the
+    # flags in this lab come from our annotation.
+    for name in kv.PRESETS:
+        for layout in LAYOUTS:
+            assert flagged(kv.vllm_kv_cache_groups(kv.preset_specs(name), layout=layout)) == []
+
+
+def test_annotation_sets_every_flag_afresh():
+    specs = kv.laguna_dflash_specs()
+    groups = kv.vllm_kv_cache_groups(specs)
+    for g in groups:
+        g.is_eagle_group = True
+    kv.annotate_draft_groups(None, None, specs, groups)
+    assert flagged(groups) == []
+    kv.annotate_draft_groups("eagle", "laguna", specs, groups)
+    assert len(flagged(groups)) == 1
+
+
+def test_hybrid_manager_disabled_puts_the_whole_laguna_pair_in_the_draft_group():
+    specs = kv.laguna_dflash_specs()
+    (group,) = kv.kv_cache_groups(specs, method="dflash", model_type="laguna", hybrid_manager_disabled=True)
+    assert group.is_eagle_group and set(group.layer_names) == set(specs)
+    assert isinstance(group.kv_cache_spec, FullAttentionSpec)
+
+
+# ---------------------------------------------------------------------------
+# Our method lists agree with vLLM 0.33's
+# ---------------------------------------------------------------------------
+
+
+def test_eagle_methods_are_vllms_use_eagle_methods():
+    from vllm.config import SpeculativeConfig
+
+    for method in kv.SPEC_METHODS:
+        assert SpeculativeConfig.use_eagle(SimpleNamespace(method=method)) == (method in kv.EAGLE_METHODS)
+
+
+def test_spec_methods_are_vllms_methods_without_mtp_aliases():
+    from vllm.config import speculative
+
+    def leaves(tp):
+        args = typing.get_args(tp)
+        return {leaf for a in args for leaf in (leaves(a) if typing.get_args(a) else {a})}
+
+    aliases = leaves(speculative.MTPModelTypes) - {"mtp"}
+    assert set(kv.SPEC_METHODS) == leaves(speculative.SpeculativeMethod) - aliases
+
+
+# ---------------------------------------------------------------------------
+# Spec builders
+# ---------------------------------------------------------------------------
+
+
+def test_laguna_target_layers_follow_layer_types():
+    specs = kv.laguna_target_specs(kv.EXAMPLE_LAGUNA_CONFIG, dtype="float16", block_size=32)
+    kinds = [type(s) for s in specs.values()]
+    assert list(specs) == [f"model.layers.{i}.self_attn.attn" for i in range(6)]
+    assert kinds == [SlidingWindowSpec, SlidingWindowSpec, FullAttentionSpec] * 2
+    assert specs["model.layers.0.self_attn.attn"].sliding_window == 64
+    assert all(s.block_size == 32 and s.num_kv_heads == 2 and s.head_size == 64 for s in specs.values())
+    assert specs["model.layers.2.self_attn.attn"].page_size_bytes == 32 * 2 * 2 * 64 * 2  # tokens*K,V*heads*dim*fp16
+
+
+def test_dflash_drafter_cache_is_full_attention_even_when_its_layers_slide():
+    drafter = {"num_hidden_layers": 2, "num_key_value_heads": 4, "head_dim": 32,
+               "layer_types": ["sliding_attention"] * 2, "sliding_window": 16}
+    specs = kv.dflash_drafter_specs(drafter, target_layer_count=40)
+    assert list(specs) == ["model.layers.40.self_attn.attn", "model.layers.41.self_attn.attn"]
+    for spec in specs.values():
+        assert type(spec) is FullAttentionSpec and spec.sliding_window is None
+        assert spec.is_draft and (spec.num_kv_heads, spec.head_size) == (4, 32)
+
+
+def test_dflash_drafter_specs_read_a_config_object():
+    config = SimpleNamespace(num_hidden_layers=1, num_key_value_heads=2, head_dim=64, layer_types=["full_attention"])
+    assert list(kv.dflash_drafter_specs(config, target_layer_count=6)) == ["model.layers.6.self_attn.attn"]
+
+
+def test_mtp_layer_is_the_targets_full_attention_without_a_marker():
+    specs = kv.qwen3_5_hybrid_specs(with_mtp_layer=True)
+    assert specs[MTP_LAYER] == specs["model.layers.3.self_attn.attn"]
+    assert not specs[MTP_LAYER].is_draft
+    assert next(reversed(specs)) == MTP_LAYER
+
+
+def test_qwen3_5_pages_are_aligned_like_vllms_platform_does():
+    specs = kv.qwen3_5_hybrid_specs()
+    mamba = specs["model.layers.0.linear_attn"]
+    attn = specs["model.layers.3.self_attn.attn"]
+    assert attn.block_size % 16 == 0
+    assert attn.page_size_bytes >= mamba.real_page_size_bytes > attn.page_size_bytes * (attn.block_size - 16) / attn.block_size
+    assert {s.page_size_bytes for s in specs.values()} == {attn.page_size_bytes}
+    assert list(specs)[:4] == [f"model.layers.{i}.linear_attn" for i in range(3)] + ["model.layers.3.self_attn.attn"]
+
+
+def test_deepseek_v4_draft_layer_reuses_the_target_decoder_layer():
+    specs = kv.deepseek_v4_specs(num_target_layers=3)
+    for cache in ("swa_attn", "attn"):
+        assert specs[f"model.layers.3.self_attn.{cache}"] == specs[f"model.layers.0.self_attn.{cache}"]
+    assert len(specs) == 8
+
+
+# ---------------------------------------------------------------------------
+# Memory per group
+# ---------------------------------------------------------------------------
+
+
+def test_group_memory_uses_one_pool_sized_by_the_widest_group():
+    specs = kv.laguna_dflash_specs()  # 4 sliding layers | 2 full + 3 drafter layers
+    groups = kv.kv_cache_groups(specs, method="dflash", model_type="laguna")
+    budget = 10 << 20
+    sliding, full = kv.group_memory(groups, kv_budget_bytes=budget)
+    page = 16 * 2 * 2 * 64 * 2  # block * (K, V) * kv heads * head dim * bf16
+    assert (sliding.num_layers, full.num_layers) == (4, 5)
+    assert full.pool_bytes_per_block == sliding.pool_bytes_per_block == 5 * page
+    assert (sliding.unused_bytes_per_block, full.unused_bytes_per_block) == (page, 0)
+    assert full.num_blocks == budget // (5 * page) and full.tokens == full.num_blocks * 16
+    assert full.bytes_per_token == 5 * page / 16 and full.is_draft_group and not sliding.is_draft_group
+
+
+def test_group_memory_reports_mamba_state_without_a_per_token_size():
+    memory = kv.group_memory(kv.kv_cache_groups(kv.qwen3_5_hybrid_specs(), method="mtp", model_type="qwen3_5"))
+    assert [m.bytes_per_token is None for m in memory] == [True, True, False]
+    assert [m.tokens is None for m in memory] == [True, True, False]
+
+
+def test_group_memory_rejects_a_budget_below_one_block():
+    groups = kv.kv_cache_groups(kv.laguna_dflash_specs())
+    with pytest.raises(ValueError, match="kv_budget_bytes"):
+        kv.group_memory(groups, kv_budget_bytes=1000)
+
+
+# ---------------------------------------------------------------------------
+# Figures, rows and the widget
+# ---------------------------------------------------------------------------
+
+
+def test_layout_figure_draws_one_row_per_group_and_one_cell_per_layer():
+    specs = kv.deepseek_v4_specs()
+    groups = kv.kv_cache_groups(specs, method="mtp", model_type="deepseek_v4", layout="BLHNC")
+    rows = kv.describe_groups(groups, specs)
+    fig = viz.kv_group_layout_figure(rows, title="DSv4", warning="careful")
+
+    assert sum(len(t.y) for t in fig.data) == len(specs)
+    assert len(set(y for t in fig.data for y in t.y)) == len(groups)
+    assert {t.name for t in fig.data} == {"sliding_window_mla", "mla_attention"}
+    hovers = [h for t in fig.data for h in t.hovertext]
+    assert all(any(h.startswith(name + "<br>") for h in hovers) for name in specs)
+    assert [r.is_draft_group for r in rows].count(True) == 1
+    assert sum("DRAFT" in label for label in fig.layout.yaxis.categoryarray) == 1
+    assert "careful" in fig.layout.title.text
+
+
+def test_layout_figure_outlines_marked_draft_layers():
+    specs = kv.laguna_dflash_specs()
+    fig = viz.kv_group_layout_figure(kv.describe_groups(kv.kv_cache_groups(specs, method="dflash", model_type="laguna"), specs))
+    widths = {text: w for t in fig.data for text, w in zip(t.text, t.marker.line.width)}
+    assert {text for text, w in widths.items() if w > 1} == {"L6", "L7", "L8"}
+
+
+def test_memory_table_lists_every_group():
+    groups = kv.kv_cache_groups(kv.qwen3_5_hybrid_specs(), method="mtp", model_type="qwen3_5")
+    table = viz.kv_group_memory_table(kv.group_memory(groups)).data[0]
+    assert list(table.cells.values[0]) == ["g0", "g1", "g2"]
+    assert list(table.cells.values[3]) == ["", "", "⚑"]
+
+
+def test_format_groups_marks_the_draft_group_and_the_marked_layers():
+    specs = kv.laguna_dflash_specs()
+    text = kv.format_groups(kv.kv_cache_groups(specs, method="dflash", model_type="laguna"), specs)
+    sliding, full = text.splitlines()
+    assert "draft group" not in sliding and full.endswith("<- draft group")
+    assert "L6*, L7*, L8*" in full
+
+
+def test_explorer_redraws_for_every_control():
+    from dflash_lab.widgets import kv_groups_explorer
+
+    box = kv_groups_explorer()
+    (preset, method), (layout, sliding, hybrid_off) = box.children[0].children, box.children[1].children
+    for name in kv.PRESETS:
+        preset.value = name
+        assert method.value == kv.PRESETS[name]["method"]
+        for value in ("BLHNC", "LBHNC"):
+            layout.value = value
+    hybrid_off.value = True  # vLLM 0.33 cannot do this for the DeepSeek shape: shown, not raised
+    preset.value = "laguna_dflash"
+    assert not sliding.disabled
+    sliding.value = True
+
+
+# ---------------------------------------------------------------------------
+# Bad input
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "names"),
+    [
+        (lambda: kv.kv_cache_groups(kv.laguna_dflash_specs(), method="medusa"), ValueError, "method 'medusa'"),
+        (lambda: kv.uses_trailing_mtp_layers("mtp", "not_a_model"), ValueError, "model_type 'not_a_model'"),
+        (lambda: kv.annotate_draft_groups(3, None, kv.laguna_dflash_specs(), []), TypeError, "method must be"),
+        (lambda: kv.kv_cache_groups(kv.laguna_dflash_specs(), layout="LBXYZ"), ValueError, "layout 'LBXYZ'"),
+        (lambda: kv.kv_cache_groups({}), ValueError, "kv_cache_spec is empty"),
+        (lambda: kv.kv_cache_groups({"": kv.laguna_dflash_specs()["model.layers.0.self_attn.attn"]}), ValueError,
+         "kv_cache_spec: a layer name is empty"),
+        (lambda: kv.kv_cache_groups({"model.layers.0.attn": "full"}), TypeError, "kv_cache_spec['model.layers.0.attn']"),
+        (lambda: kv.group_memory([], kv_budget_bytes=1 << 20), ValueError, "groups is empty"),
+    ],
+    ids=["unknown-method", "unknown-model-type", "method-type", "layout", "empty-spec", "empty-name",
+         "not-a-spec", "no-groups"],
+)
+def test_bad_arguments_are_rejected_by_name(call, error, names):
+    with pytest.raises(error) as info:
+        call()
+    assert names in str(info.value)
+
+
+def test_duplicate_layer_names_are_rejected():
+    spec = kv.laguna_dflash_specs()["model.layers.0.self_attn.attn"]
+    pairs = [("model.layers.0.self_attn.attn", spec), ("model.layers.0.self_attn.attn", spec)]
+    with pytest.raises(ValueError, match=r"kv_cache_spec: layer name 'model\.layers\.0\.self_attn\.attn' appears twice"):
+        kv.kv_cache_groups(pairs)
+    with pytest.raises(ValueError, match="appears twice"):
+        kv.groups_partition_layers_exactly(pairs, [])
+
+
+@pytest.mark.parametrize("where", ["target", "drafter"])
+def test_layer_types_of_the_wrong_length_are_rejected(where):
+    target = dict(kv.EXAMPLE_LAGUNA_CONFIG)
+    drafter = kv.example_dflash_drafter_config(target)
+    (target if where == "target" else drafter)["layer_types"] = ["full_attention"] * 5
+    with pytest.raises(ValueError, match=f"{where} config: `layer_types` has 5 entries but num_hidden_layers is"):
+        kv.laguna_dflash_specs(target, drafter)
+
+
+@pytest.mark.parametrize(
+    ("edit", "error", "message"),
+    [
+        ({"num_hidden_layers": None}, ValueError, "`num_hidden_layers` is missing"),
+        ({"num_hidden_layers": "6"}, TypeError, "`num_hidden_layers` must be an integer"),
+        ({"layer_types": ["sliding_attention", "global"] * 3}, ValueError, "unknown types ['global']"),
+        ({"sliding_window": None}, ValueError, "`sliding_window` is missing"),
+        ({"num_key_value_heads": 0}, ValueError, "`num_key_value_heads` must be >= 1"),
+    ],
+)
+def test_bad_target_config_values_name_their_key(edit, error, message):
+    config = {**kv.EXAMPLE_LAGUNA_CONFIG, **edit}
+    with pytest.raises(error) as info:
+        kv.laguna_target_specs(config)
+    assert message in str(info.value)
+
+
+def test_unknown_dtype_and_preset_are_rejected():
+    with pytest.raises(ValueError, match="dtype 'bf17'"):
+        kv.laguna_target_specs(kv.EXAMPLE_LAGUNA_CONFIG, dtype="bf17")
+    with pytest.raises(ValueError, match="preset 'llama'"):
+        kv.preset_specs("llama")
+
+
+def test_hybrid_manager_disabled_failure_is_a_clear_error():
+    # vLLM 0.33 cannot promote Mamba layers to one spec type; say so, with the setting.
+    with pytest.raises(ValueError, match="hybrid_manager_disabled=True"):
+        kv.kv_cache_groups(kv.qwen3_5_hybrid_specs(), method="mtp", model_type="qwen3_5", hybrid_manager_disabled=True)
+
+
+def test_load_config_names_the_file(tmp_path):
+    bad = tmp_path / "config.json"
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match=str(bad)):
+        kv.load_config(tmp_path)
+    with pytest.raises(FileNotFoundError, match="nope.json"):
+        kv.load_config(tmp_path / "nope.json")
+
+
+# ---------------------------------------------------------------------------
+# vLLM stays optional for the rest of the lab
+# ---------------------------------------------------------------------------
+
+
+def _python(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=300)
+
+
+def test_importing_the_lab_does_not_import_vllm():
+    run = _python("""
+        import sys
+        import dflash_lab, dflash_lab.kv_groups, dflash_lab.viz, dflash_lab.widgets
+        print(sorted(m for m in sys.modules if m == "vllm" or m.startswith("vllm.")))
+    """)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "[]"
+
+
+def test_missing_vllm_raises_an_import_error_that_says_how_to_install_it():
+    run = _python("""
+        import sys
+        sys.modules["vllm"] = None  # as if vLLM were not installed
+        from dflash_lab import kv_groups, viz, widgets
+        try:
+            kv_groups.kv_cache_groups({"model.layers.0.self_attn.attn": None})
+        except ImportError as exc:
+            print(exc)
+    """)
+    assert run.returncode == 0, run.stderr
+    assert 'pip install "vllm==0.33.*"' in run.stdout and "make setup" in run.stdout
