@@ -1,0 +1,508 @@
+"""Headless reports: run every notebook and write one self-contained HTML page each.
+
+    python -m dflash_lab.report --out reports notebooks      # what `make report` runs
+
+Each notebook runs top to bottom in a fresh kernel (nbclient, working directory
+= the notebook's folder, offline: HF_HUB_OFFLINE=1 and a loopback-only socket
+guard in the kernel), with a tqdm line per notebook that advances cell by cell.
+Then nbconvert's HTML exporter (JupyterLab's look) writes ``reports/NAME.html``:
+
+- plotly.js is inlined once in the page head, so every figure draws offline;
+  figures shown with ``fig.show()`` become plotly divs;
+- the widget state is saved in the page (nbclient ``store_widget_state``) and
+  every widget view is drawn from it as a static snapshot of its final state:
+  sliders, dropdowns and toggles at their values, progress bars, HTML, and each
+  plotly ``FigureWidget`` with the figure the kernel last held. (The 5 MB
+  JavaScript bundle each FigureWidget carries is left out of the saved state.)
+
+``reports/index.html`` links the pages. A notebook that fails prints the
+failing cell's traceback, gets no page (a stale one is removed), and makes the
+exit status 1. Every file is written to a temporary name and renamed, so no
+half-written report is ever left behind. Cells that ran longer than
+``--slow-cell`` seconds without showing a progress bar are listed as warnings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import html
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import nbformat
+
+PLOTLY_MIME = "application/vnd.plotly.v1+json"
+WIDGET_VIEW_MIME = "application/vnd.jupyter.widget-view+json"
+WIDGET_STATE_MIME = "application/vnd.jupyter.widget-state+json"
+ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+# ---------------------------------------------------------------------------
+# Running a notebook
+# ---------------------------------------------------------------------------
+
+# Run in the kernel after the last cell (then dropped from the notebook): the
+# figure every FigureWidget holds now, by widget model id. Its saved widget
+# state only has the figure it was built with; later edits travel as messages.
+FIGURE_DUMP_CELL = """\
+def __dflash_lab_figures():
+    try:
+        import plotly.io as pio
+        from ipywidgets.widgets.widget import _instances
+        from plotly.basewidget import BaseFigureWidget
+    except ImportError:
+        return {}
+    return {model_id: __import__("json").loads(pio.to_json(w, validate=False))
+            for model_id, w in list(_instances.items()) if isinstance(w, BaseFigureWidget)}
+__import__("IPython").display.display({"application/json": __dflash_lab_figures()}, raw=True)
+del __dflash_lab_figures
+"""
+
+
+class NotebookFailed(RuntimeError):
+    """A cell raised: names the notebook and the cell, and carries the traceback."""
+
+    def __init__(self, path: Path, cell_index: int | None, traceback: str):
+        self.path, self.cell_index, self.traceback = path, cell_index, traceback
+        where = f"cell {cell_index}" if cell_index is not None else "kernel"
+        super().__init__(f"{path.name}: {where} failed\n{traceback}")
+
+
+@contextlib.contextmanager
+def kernel_environment():
+    """Environment variables a kernel started inside the block inherits.
+
+    Offline Hugging Face, plotly figures as plain mime bundles (the report
+    renders them itself), and an IPython profile whose startup file installs
+    the loopback-only socket guard (as the nbval kernels have).
+    """
+    from dflash_lab.repro import OFFLINE_ENV, write_ipython_startup
+
+    with tempfile.TemporaryDirectory(prefix="dflash-lab-ipython-") as ipython_dir:
+        write_ipython_startup(ipython_dir)
+        update = {**OFFLINE_ENV, "PLOTLY_RENDERER": "plotly_mimetype", "IPYTHONDIR": ipython_dir,
+                  "TOKENIZERS_PARALLELISM": "false"}
+        saved = {k: os.environ.get(k) for k in update}
+        os.environ.update(update)
+        try:
+            yield
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+
+def execute_notebook(
+    path: Path,
+    *,
+    timeout: float | None = 1800,
+    store_widget_state: bool = True,
+    record_timing: bool = True,
+    dump_figures: bool = False,
+    position: int = 0,
+) -> tuple[nbformat.NotebookNode, dict]:
+    """Run the notebook at `path` in a fresh kernel; return it with outputs.
+
+    Returns ``(nb, figures)``; ``figures`` maps each live FigureWidget's model
+    id to its figure (only with ``dump_figures``). Raises NotebookFailed with
+    the failing cell's traceback.
+    """
+    from nbclient import NotebookClient
+    from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
+    from tqdm.auto import tqdm
+
+    nb = nbformat.read(path, as_version=4)
+    if dump_figures:
+        nb.cells.append(nbformat.v4.new_code_cell(FIGURE_DUMP_CELL, id="dflash-lab-figure-dump"))
+    n_code = sum(c.cell_type == "code" for c in nb.cells)
+    bar = tqdm(total=n_code, desc=path.stem, unit="cell", position=position, leave=True, dynamic_ncols=True)
+    current = {"index": None}
+
+    def on_cell_start(cell, cell_index, **_):
+        current["index"] = cell_index
+        bar.set_postfix_str(f"cell {cell_index}")
+
+    def on_cell_executed(cell, cell_index, **_):
+        bar.update(1)
+
+    client = NotebookClient(
+        nb,
+        timeout=timeout,
+        kernel_name=nb.metadata.get("kernelspec", {}).get("name", "python3"),
+        resources={"metadata": {"path": str(path.parent.resolve())}},
+        store_widget_state=store_widget_state,
+        record_timing=record_timing,
+        on_cell_start=on_cell_start,
+        on_cell_executed=on_cell_executed,
+    )
+    try:
+        with kernel_environment():
+            client.execute()
+    except CellExecutionError as exc:
+        raise NotebookFailed(path, current["index"], ANSI.sub("", str(exc))) from None
+    except (CellTimeoutError, DeadKernelError) as exc:
+        raise NotebookFailed(path, current["index"], f"{type(exc).__name__}: {exc}") from None
+    finally:
+        bar.close()
+
+    figures = {}
+    if dump_figures:
+        dump = nb.cells.pop()
+        for out in dump.get("outputs", []):
+            figures.update(out.get("data", {}).get("application/json", {}))
+    return nb, figures
+
+
+def slow_cells_without_progress(nb, threshold: float) -> list[tuple[int, float]]:
+    """(cell index, seconds) for cells that ran longer than `threshold` and showed no progress bar."""
+    slow = []
+    for i, cell in enumerate(nb.cells):
+        timing = cell.get("metadata", {}).get("execution", {})
+        start, end = timing.get("iopub.execute_input"), timing.get("shell.execute_reply")
+        if cell.cell_type != "code" or not (start and end):
+            continue
+        seconds = _iso_seconds(end) - _iso_seconds(start)
+        if seconds > threshold and not any(_is_progress_bar(o) for o in cell.outputs):
+            slow.append((i, seconds))
+    return slow
+
+
+def _iso_seconds(stamp: str) -> float:
+    from datetime import datetime
+
+    return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
+
+
+def _is_progress_bar(output) -> bool:
+    """tqdm's notebook bar (a widget whose text form is the bar) or its console bar (stderr)."""
+    text = output.get("text", "") if output.get("output_type") == "stream" else output.get("data", {}).get(
+        "text/plain", ""
+    )
+    return bool(re.search(r"\d+%\|", text if isinstance(text, str) else "".join(text)))
+
+
+# ---------------------------------------------------------------------------
+# Static HTML for figures and widget views
+# ---------------------------------------------------------------------------
+
+
+def figure_html(figure: dict) -> str:
+    """A plotly div that draws with the page's inlined plotly.js."""
+    import plotly.io as pio
+
+    return pio.to_html(figure, include_plotlyjs=False, full_html=False, validate=False)
+
+
+def _label(state: dict) -> str:
+    d = state.get("description") or ""
+    return f'<span class="dflash-w-label">{html.escape(d)}</span>' if d else ""
+
+
+def _options(state: dict) -> tuple[list[str], set[int]]:
+    labels = state.get("_options_labels") or []
+    index = state.get("index")
+    chosen = set(index) if isinstance(index, (list, tuple)) else ({index} if isinstance(index, int) else set())
+    return labels, chosen
+
+
+def widget_html(model_id: str, models: dict, figures: dict, _depth: int = 0) -> str:
+    """Static HTML for the widget `model_id`, from its saved state (children recursively)."""
+    model = models.get(model_id)
+    if model is None or _depth > 50:
+        return '<span class="dflash-w-missing">(widget not in the saved state)</span>'
+    name = model.get("model_name", "")
+    state = model.get("state", {})
+    esc = html.escape
+
+    def child(ref):
+        return widget_html(str(ref).removeprefix("IPY_MODEL_"), models, figures, _depth + 1)
+
+    if model_id in figures:  # a plotly FigureWidget
+        return f'<div class="dflash-w-figure">{figure_html(figures[model_id])}</div>'
+    if name in ("HBoxModel", "VBoxModel", "BoxModel", "GridBoxModel"):
+        direction = "row" if name == "HBoxModel" else "column"
+        kids = "".join(child(c) for c in state.get("children", []))
+        return f'<div class="dflash-w-box" style="flex-direction:{direction}">{kids}</div>'
+    if name in ("TabModel", "AccordionModel", "StackModel"):
+        titles = state.get("titles") or []
+        parts = []
+        for i, c in enumerate(state.get("children", [])):
+            title = titles[i] if i < len(titles) and titles[i] else f"{i}"
+            parts.append(f'<div class="dflash-w-tab"><div class="dflash-w-tab-title">{esc(title)}</div>{child(c)}</div>')
+        return f'<div class="dflash-w-tabs">{"".join(parts)}</div>'
+    if name == "OutputModel":
+        return f'<div class="dflash-w-output">{"".join(output_html(o, figures) for o in state.get("outputs", []))}</div>'
+    if name in ("HTMLModel", "HTMLMathModel"):
+        return f'<div class="dflash-w-html">{_label(state)}{state.get("value", "")}</div>'
+    if name == "LabelModel":
+        return f'<div class="dflash-w-html">{esc(str(state.get("value", "")))}</div>'
+    if name in ("FloatProgressModel", "IntProgressModel"):
+        lo, hi, v = state.get("min", 0), state.get("max", 100), state.get("value", 0)
+        return (f'<div class="dflash-w-row">{_label(state)}<progress value="{v - lo}" max="{hi - lo}">'
+                f"</progress></div>")
+    if name.endswith("SliderModel") and "_options_labels" not in state:
+        v = state.get("value")
+        text = "–".join(map(str, v)) if isinstance(v, (list, tuple)) else str(v)
+        first = v[0] if isinstance(v, (list, tuple)) else v
+        return (f'<div class="dflash-w-row">{_label(state)}<input type="range" disabled min="{state.get("min")}" '
+                f'max="{state.get("max")}" step="{state.get("step") or "any"}" value="{first}">'
+                f'<span class="dflash-w-value">{esc(text)}</span></div>')
+    if "_options_labels" in state:  # dropdowns, selects, radio and toggle buttons, selection sliders
+        labels, chosen = _options(state)
+        if name in ("ToggleButtonsModel", "RadioButtonsModel"):
+            items = "".join(
+                f'<span class="dflash-w-option{" dflash-w-chosen" if i in chosen else ""}">{esc(l)}</span>'
+                for i, l in enumerate(labels)
+            )
+            return f'<div class="dflash-w-row">{_label(state)}{items}</div>'
+        opts = "".join(
+            f'<option{" selected" if i in chosen else ""}>{esc(l)}</option>' for i, l in enumerate(labels)
+        )
+        multiple = " multiple" if name in ("SelectMultipleModel",) else ""
+        return f'<div class="dflash-w-row">{_label(state)}<select disabled{multiple}>{opts}</select></div>'
+    if name in ("CheckboxModel", "ToggleButtonModel", "ValidModel"):
+        checked = " checked" if state.get("value") else ""
+        return (f'<div class="dflash-w-row"><label><input type="checkbox" disabled{checked}> '
+                f'{esc(state.get("description", ""))}</label></div>')
+    if name == "ButtonModel":
+        return f'<div class="dflash-w-row"><button disabled>{esc(state.get("description", ""))}</button></div>'
+    if "value" in state and isinstance(state["value"], (str, int, float)):  # text boxes, pickers
+        return (f'<div class="dflash-w-row">{_label(state)}<input disabled '
+                f'value="{esc(str(state["value"]))}"></div>')
+    return f'<span class="dflash-w-missing">({esc(name)})</span>'
+
+
+def output_html(output: dict, figures: dict) -> str:
+    """Static HTML for one nbformat output captured by an Output widget."""
+    kind = output.get("output_type")
+    if kind == "stream":
+        return f'<pre class="dflash-w-stream">{html.escape(output.get("text", ""))}</pre>'
+    if kind == "error":
+        return f'<pre class="dflash-w-stream">{html.escape(ANSI.sub("", chr(10).join(output.get("traceback", []))))}</pre>'
+    data = output.get("data", {})
+    if PLOTLY_MIME in data:
+        return figure_html(data[PLOTLY_MIME])
+    if WIDGET_VIEW_MIME in data:
+        return f"<!-- nested widget {data[WIDGET_VIEW_MIME].get('model_id')} -->"
+    if "text/html" in data:
+        return data["text/html"]
+    for mime in ("image/png", "image/jpeg"):
+        if mime in data:
+            return f'<img src="data:{mime};base64,{data[mime]}">'
+    return f'<pre class="dflash-w-stream">{html.escape(data.get("text/plain", ""))}</pre>'
+
+
+def prepare_for_html(nb, figures: dict) -> None:
+    """Give every figure and widget output a static rendering; slim the saved widget state."""
+    state = nb.metadata.get("widgets", {}).get(WIDGET_STATE_MIME, {})
+    models = state.get("state", {})
+    for cell in nb.cells:
+        for out in cell.get("outputs", []):
+            data = out.get("data", {})
+            if PLOTLY_MIME in data:
+                data["text/html"] = figure_html(data[PLOTLY_MIME])
+                del data[PLOTLY_MIME]  # drawn by the text/html above
+            if WIDGET_VIEW_MIME in data:
+                model_id = data[WIDGET_VIEW_MIME].get("model_id", "")
+                out.setdefault("metadata", {})["dflash_lab_static_html"] = widget_html(model_id, models, figures)
+    for model_id, model in models.items():
+        if model_id in figures or "_esm" in model.get("state", {}):
+            # the anywidget bundle (plotly.js again, ~5 MB per figure): the page draws from its own copy
+            model["state"]["_esm"] = "export default { render() {} };"
+
+
+# Extends JupyterLab's look: plotly.js inlined before anything else, no script
+# from a CDN (require.js, the widget manager), widget views drawn statically.
+REPORT_TEMPLATE = r"""
+{%- extends 'lab/index.html.j2' -%}
+{%- block html_head_js -%}
+<script type="text/javascript">window.PlotlyConfig = {MathJaxConfig: 'local'};</script>
+<script type="text/javascript">{{ resources.dflash_lab_plotly_js }}</script>
+{%- endblock html_head_js -%}
+{% block jupyter_widgets %}{% endblock jupyter_widgets %}
+{% block extra_css %}
+<style type="text/css">
+.dflash-widget-snapshot { font-family: var(--jp-ui-font-family); font-size: var(--jp-ui-font-size1); }
+.dflash-w-box { display: flex; gap: 6px; flex-wrap: wrap; }
+.dflash-w-row { display: flex; align-items: center; gap: 8px; margin: 2px 0; font-size: 13px; }
+.dflash-w-label { min-width: 90px; text-align: right; }
+.dflash-w-value { font-family: monospace; }
+.dflash-w-option { border: 1px solid #bbb; padding: 2px 8px; border-radius: 3px; }
+.dflash-w-chosen { background: #1976d2; color: white; border-color: #1976d2; }
+.dflash-w-figure, .dflash-w-output { width: 100%; }
+.dflash-w-tab-title { font-weight: bold; margin-top: 6px; }
+.dflash-w-stream { margin: 0; }
+.dflash-w-missing { color: #999; font-style: italic; }
+.dflash-w-html progress { width: 200px; }
+</style>
+{% endblock extra_css %}
+{%- block data_widget_view scoped %}
+<div class="jupyter-widgets jp-OutputArea-output dflash-widget-snapshot {{ extra_class }}">
+<script type="application/vnd.jupyter.widget-view+json">
+{{ output.data['application/vnd.jupyter.widget-view+json'] | json_dumps | escape_html_script }}
+</script>
+{{ output.metadata.get('dflash_lab_static_html', '') }}
+</div>
+{%- endblock data_widget_view -%}
+"""
+
+
+def to_html(nb, figures: dict, title: str) -> str:
+    import jinja2
+    import plotly.offline
+    from nbconvert import HTMLExporter
+
+    prepare_for_html(nb, figures)
+    exporter = HTMLExporter(
+        template_name="lab",
+        extra_loaders=[jinja2.DictLoader({"dflash_lab_report.html.j2": REPORT_TEMPLATE})],
+        template_file="dflash_lab_report.html.j2",
+    )
+    resources = {"metadata": {"name": title}, "dflash_lab_plotly_js": plotly.offline.get_plotlyjs()}
+    body, _ = exporter.from_notebook_node(nb, resources=resources)
+    return body
+
+
+# ---------------------------------------------------------------------------
+# Writing the report
+# ---------------------------------------------------------------------------
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write to a temporary file next to `path`, then rename it over `path`."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    umask = os.umask(0)
+    os.umask(umask)
+    try:
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp's 0600 would make the page private
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+@dataclass
+class Entry:
+    path: Path
+    title: str
+    ok: bool = False
+    seconds: float = 0.0
+    html_name: str = ""
+    size: int = 0
+    error: str = ""
+    slow: list = field(default_factory=list)
+
+
+def notebook_title(path: Path) -> str:
+    """The notebook's first markdown heading, else its name."""
+    nb = nbformat.read(path, as_version=4)
+    for cell in nb.cells:
+        if cell.cell_type == "markdown":
+            for line in cell.source.splitlines():
+                if line.startswith("#"):
+                    return line.lstrip("#").strip()
+    return path.stem
+
+
+def index_html(entries: list[Entry]) -> str:
+    rows = []
+    for e in entries:
+        name = html.escape(e.path.stem)
+        link = f'<a href="{html.escape(e.html_name)}">{name}</a>' if e.ok else name
+        status = "ok" if e.ok else f'<span class="failed">FAILED</span><pre>{html.escape(e.error[-3000:])}</pre>'
+        note = "".join(f"<div>cell {i}: {s:.0f}s without a progress bar</div>" for i, s in e.slow)
+        rows.append(
+            f"<tr><td>{link}</td><td>{html.escape(e.title)}</td><td>{status}{note}</td>"
+            f"<td>{e.seconds:.0f}s</td><td>{e.size / 1e6:.1f} MB</td></tr>"
+        )
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+    return f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>dflash_lab notebooks</title>
+<style>
+body {{ font-family: system-ui, sans-serif; margin: 2em; }}
+table {{ border-collapse: collapse; }} td, th {{ border-bottom: 1px solid #ddd; padding: 6px 12px; text-align: left; vertical-align: top; }}
+.failed {{ color: #c62828; font-weight: bold; }} pre {{ font-size: 11px; max-width: 70em; overflow: auto; }}
+</style></head><body>
+<h1>dflash_lab notebooks</h1>
+<p>Each notebook was run top to bottom on the shipped checkpoints; the pages are self-contained
+(plotly.js inlined, widgets drawn from their saved state). Generated {stamp}.</p>
+<table><tr><th>notebook</th><th>chapter</th><th>status</th><th>run time</th><th>page</th></tr>
+{"".join(rows)}
+</table></body></html>
+"""
+
+
+def find_notebooks(paths: list[Path]) -> list[Path]:
+    found = []
+    for p in paths:
+        if p.is_dir():
+            found.extend(sorted(q for q in p.glob("*.ipynb") if not q.name.startswith(".")))
+        elif p.suffix == ".ipynb" and p.exists():
+            found.append(p)
+        else:
+            raise FileNotFoundError(f"{p}: not a notebook or a folder of notebooks")
+    return found
+
+
+def build_report(notebooks: list[Path], out: Path, *, timeout: float, slow_cell: float) -> list[Entry]:
+    entries = []
+    for path in notebooks:
+        entry = Entry(path=path, title=notebook_title(path), html_name=f"{path.stem}.html")
+        target = out / entry.html_name
+        start = time.monotonic()
+        try:
+            nb, figures = execute_notebook(path, timeout=timeout, dump_figures=True)
+            entry.slow = slow_cells_without_progress(nb, slow_cell)
+            page = to_html(nb, figures, entry.title)
+            write_atomic(target, page)
+            entry.ok, entry.size = True, len(page.encode())
+        except NotebookFailed as exc:
+            entry.error = str(exc)
+            target.unlink(missing_ok=True)  # no stale page for a notebook that no longer runs
+            print(f"\nFAILED {exc}", file=sys.stderr)
+        entry.seconds = time.monotonic() - start
+        for i, s in entry.slow:
+            print(f"warning: {path.name} cell {i} ran {s:.0f}s without a progress bar (tqdm.auto)", file=sys.stderr)
+        entries.append(entry)
+        write_atomic(out / "index.html", index_html(entries))  # the index is current after each notebook
+    return entries
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m dflash_lab.report", description=__doc__.split("\n\n")[0])
+    parser.add_argument("paths", nargs="+", type=Path, help="notebooks, or folders of notebooks")
+    parser.add_argument("--out", type=Path, default=Path("reports"), help="output folder (default: reports)")
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds a single cell may run")
+    parser.add_argument("--slow-cell", type=float, default=10,
+                        help="warn about cells that run longer than this without a progress bar")
+    args = parser.parse_args(argv)
+    try:
+        notebooks = find_notebooks(args.paths)
+    except FileNotFoundError as exc:
+        parser.error(str(exc))
+    if not notebooks:
+        parser.error(f"no notebooks in {', '.join(map(str, args.paths))}")
+    entries = build_report(notebooks, args.out, timeout=args.timeout, slow_cell=args.slow_cell)
+    failed = [e for e in entries if not e.ok]
+    print(f"{len(entries) - len(failed)} of {len(entries)} notebooks ran; report: {args.out / 'index.html'}")
+    if failed:
+        print("failed: " + ", ".join(e.path.name for e in failed), file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
