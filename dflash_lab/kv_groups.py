@@ -32,7 +32,6 @@ and the grouping functions raise an ImportError that says how to install it.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 from collections.abc import Iterable, Mapping
@@ -490,15 +489,14 @@ def preset_specs(name: str, *, drafter_sliding: bool = False) -> dict[str, Any]:
 
 def load_config(path: str | Path) -> dict:
     """A config.json as a dict; errors name the file."""
+    from dflash_lab.config import read_json  # the lab's one config.json reader
+
     path = Path(path)
     if path.is_dir():
         path = path / "config.json"
-    try:
-        config = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise FileNotFoundError(f"config file {path} does not exist") from None
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"config file {path} is not valid JSON: {exc}") from None
+    if not path.is_file():
+        raise FileNotFoundError(f"config file {path} does not exist")
+    config = read_json(path)
     if not isinstance(config, dict):
         raise ValueError(f"config file {path} must hold a JSON object, got {type(config).__name__}")
     return config

@@ -92,11 +92,12 @@ def kv_group_layout_figure(rows, *, title: str | None = None, warning: str | Non
     heading = title or "KV-cache groups"
     if warning:
         heading += f"<br><span style='font-size:12px;color:{PALETTE['red']}'>⚠ {warning}</span>"
+    top = 40 + 22 * heading.count("<br>")  # room for every title line
     fig.update_layout(
-        title=heading, barmode="overlay", bargap=0.25, height=140 + 42 * max(len(rows), 1),
+        title=heading, barmode="overlay", bargap=0.25, height=110 + top + 42 * max(len(rows), 1),
         xaxis=dict(title="position in the group", range=[-0.1, widest + 0.1], dtick=1, showgrid=False),
         yaxis=dict(categoryorder="array", categoryarray=labels, autorange="reversed"),
-        legend=dict(title="spec kind", orientation="h", y=-0.25), margin=dict(l=10, r=10, t=70, b=10),
+        legend=dict(title="spec kind", orientation="h", y=-0.25), margin=dict(l=10, r=10, t=top + 20, b=10),
     )
     return fig
 

@@ -44,7 +44,6 @@ def kv_groups_explorer(*, kv_budget_bytes: int = 1 << 30) -> widgets.VBox:
 
     def redraw(*_):
         p = kv.PRESETS[preset.value]
-        sliding.disabled = preset.value != "laguna_dflash"  # only the DFlash drafter has layer_types
         specs = kv.preset_specs(preset.value, drafter_sliding=sliding.value)
         with out:
             out.clear_output(wait=True)
@@ -56,6 +55,11 @@ def kv_groups_explorer(*, kv_budget_bytes: int = 1 << 30) -> widgets.VBox:
                 print(exc)
                 return
             title = f"{p['label']} · method={method.value} · {layout.value} ({kv.LAYOUTS.get(layout.value)})"
+            if preset.value == "laguna_dflash":  # only the DFlash drafter has its own layer_types
+                window = "sliding" if sliding.value else "full"
+                title += f"<br>drafter layers: {window} attention; their KV cache: full attention either way"
+            else:
+                title += "<br>drafter sliding window: n/a (an MTP block reuses a target layer)"
             display(viz.kv_group_layout_figure(kv.describe_groups(groups, specs), title=title,
                                                warning=warned[0] if warned else None))
             display(viz.kv_group_memory_table(kv.group_memory(groups, layout=layout.value, kv_budget_bytes=kv_budget_bytes),

@@ -437,7 +437,6 @@ def test_explorer_redraws_for_every_control():
             layout.value = value
     hybrid_off.value = True  # vLLM 0.33 cannot do this for the DeepSeek shape: shown, not raised
     preset.value = "laguna_dflash"
-    assert not sliding.disabled
     sliding.value = True
 
 
