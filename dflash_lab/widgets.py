@@ -13,6 +13,118 @@ import ipywidgets as widgets
 # Chapter 1-2: the drafter and its context K/V
 # ---------------------------------------------------------------------------
 
+# The issue's agreement tolerances: (max abs, mean abs) per dtype name.
+CONTEXT_KV_TOLERANCES = {"float32": (1e-5, None), "bfloat16": (6e-2, 5e-3)}
+
+
+def _redraw_figure_widget(fig_widget, fig) -> None:
+    """Put ``fig``'s traces and layout into an existing FigureWidget (same trace count)."""
+    with fig_widget.batch_update():
+        for old, new in zip(fig_widget.data, fig.data):
+            old.update(new.to_plotly_json(), overwrite=True)
+        fig_widget.layout.update(fig.layout.to_plotly_json(), overwrite=True)
+
+
+def context_kv_path_explorer(drafter, context, positions) -> widgets.VBox:
+    """Switch among the three context-K/V paths (and float32/bfloat16); see that they agree.
+
+    Each change re-runs ``drafter.precompute_context_kv`` with the chosen path
+    and dtype, redraws ``viz.context_kv_path_figure`` against the reference path
+    in the same dtype, and reports the largest error against the issue's
+    tolerance. The returned box exposes ``.path``, ``.dtype``, ``.figure`` and
+    ``.agreement`` for scripted use.
+    """
+    import copy
+    import time
+
+    import plotly.graph_objects as go
+    import torch
+
+    from dflash_lab import viz
+    from dflash_lab.drafter import CONTEXT_KV_PATHS
+
+    path = widgets.ToggleButtons(options=list(CONTEXT_KV_PATHS), value="reference", description="path")
+    dtype = widgets.ToggleButtons(options=list(CONTEXT_KV_TOLERANCES), value="float32", description="dtype")
+    agreement = widgets.HTML()
+    copies = {}  # one drafter copy per dtype, made on first use
+
+    def compute(path_name, dtype_name):
+        dt = getattr(torch, dtype_name)
+        if dtype_name not in copies:
+            copies[dtype_name] = drafter if next(drafter.parameters()).dtype == dt else copy.deepcopy(drafter).to(dt)
+        model, ctx = copies[dtype_name], context.to(dt)
+        with torch.no_grad():
+            ref = model.precompute_context_kv(ctx, positions, path="reference")
+            start = time.perf_counter()
+            out = model.precompute_context_kv(ctx, positions, path=path_name)
+            ms = 1e3 * (time.perf_counter() - start)
+        return out, ref, ms
+
+    def figure(path_name, dtype_name):
+        (k, v), (k_ref, v_ref), ms = compute(path_name, dtype_name)
+        errors = [(a.float() - b.float()).abs() for a, b in ((k, k_ref), (v, v_ref))]
+        max_tol, mean_tol = CONTEXT_KV_TOLERANCES[dtype_name]
+        ok = all(e.max() <= max_tol and (mean_tol is None or e.mean() <= mean_tol) for e in errors)
+        rule = f"max ≤ {max_tol:g}" + (f", mean ≤ {mean_tol:g}" if mean_tol else "")
+        agreement.value = (
+            f"<b>{path_name}</b> in {dtype_name}: max |ΔK| = {errors[0].max():.2e}, max |ΔV| = {errors[1].max():.2e} "
+            f"(tolerance {rule}) → {'<b>agree</b> ✓' if ok else '<b>DISAGREE</b> ✗'} · {ms:.1f} ms"
+        )
+        return viz.context_kv_path_figure(k, v, k_ref, v_ref, path=f"{path_name} ({dtype_name})", positions=positions)
+
+    fig = go.FigureWidget(figure(path.value, dtype.value))
+
+    def redraw(*_):
+        _redraw_figure_widget(fig, figure(path.value, dtype.value))
+
+    path.observe(redraw, names="value")
+    dtype.observe(redraw, names="value")
+    box = widgets.VBox([path, dtype, agreement, fig])
+    box.path, box.dtype, box.figure, box.agreement = path, dtype, fig, agreement
+    return box
+
+
+def sliding_window_explorer(*, context_len: int = 24, block_size: int = 8, window: int = 8) -> widgets.VBox:
+    """Toggle the sliding window and change its size; see which keys each block query sees.
+
+    The block starts right after ``context_len`` context positions. Each change
+    recomputes ``drafter.dflash_attention_mask`` (full attention when the
+    window is off) and redraws ``viz.visibility_mask_figure``. The returned box
+    exposes ``.sliding``, ``.window``, ``.figure`` and ``.summary``.
+    """
+    import plotly.graph_objects as go
+    import torch
+
+    from dflash_lab import viz
+    from dflash_lab.drafter import dflash_attention_mask
+
+    sliding = widgets.Checkbox(value=True, description="sliding window")
+    size = widgets.IntSlider(value=window, min=1, max=context_len + block_size, description="window")
+    summary = widgets.HTML()
+    ctx_pos = torch.arange(context_len)
+    q_pos = torch.arange(context_len, context_len + block_size)
+
+    def figure(on: bool, w: int):
+        mask = dflash_attention_mask(q_pos[None], ctx_pos, block_size, w if on else None)[0]  # (Q, N+Q)
+        seen = mask[:, :context_len].sum(-1).tolist()
+        summary.value = ("context keys seen per block query: " + ", ".join(map(str, seen))
+                         + (f" (window {w})" if on else " (full attention)"))
+        label = f"sliding window {w}" if on else "full attention (no window)"
+        return viz.visibility_mask_figure(mask, query_positions=q_pos, key_positions=torch.cat([ctx_pos, q_pos]),
+                                          context_len=context_len, title=f"Which keys each block query sees: {label}")
+
+    fig = go.FigureWidget(figure(sliding.value, size.value))
+
+    def redraw(*_):
+        size.disabled = not sliding.value
+        _redraw_figure_widget(fig, figure(sliding.value, size.value))
+
+    sliding.observe(redraw, names="value")
+    size.observe(redraw, names="value")
+    box = widgets.VBox([widgets.HBox([sliding, size]), summary, fig])
+    box.sliding, box.window, box.figure, box.summary = sliding, size, fig, summary
+    return box
+
 
 # ---------------------------------------------------------------------------
 # Chapter 3: per-position acceptance
