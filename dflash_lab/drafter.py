@@ -236,10 +236,13 @@ class DFlashLagunaDrafter(nn.Module):
         return self.hidden_norm(self.fc(normed.flatten(-2)))
 
     # --- step 2: context K/V (three paths at the bottom of the file) -----------
-    def precompute_context_kv(self, context: torch.Tensor, positions: torch.Tensor, path: str = "folded"):
+    def precompute_context_kv(self, context: torch.Tensor, positions: torch.Tensor, path: str = "folded", *,
+                              fused: bool | None = None):
         """Every drafter layer's K (after K-norm and RoPE) and V for the context.
 
         context: (N, H); positions: (N,). Returns K, V each (L, N, nkv, hd).
+        fused (folded path only): None = the fused Triton kernel where it can run
+        (CUDA, see dflash_lab.kernels), False = torch ops, True = insist on it.
         """
         if path not in CONTEXT_KV_PATHS:
             raise ValueError(f"path must be one of {CONTEXT_KV_PATHS}, got {path!r}")
@@ -247,8 +250,11 @@ class DFlashLagunaDrafter(nn.Module):
             raise ValueError(f"context must be (N, {self.config.hidden_size}), got {tuple(context.shape)}")
         if positions.shape != context.shape[:1]:
             raise ValueError(f"positions must be ({context.shape[0]},), got {tuple(positions.shape)}")
-        return {"reference": context_kv_reference, "batched": context_kv_batched, "folded": context_kv_folded}[path](
-            self, context, positions)
+        if path == "folded":
+            return context_kv_folded(self, context, positions, fused=fused)
+        if fused:
+            raise ValueError(f"fused=True applies to the folded path only, got path={path!r}")
+        return {"reference": context_kv_reference, "batched": context_kv_batched}[path](self, context, positions)
 
     def rope_tables(self, positions: torch.Tensor, dtype: torch.dtype):
         return rope_cos_sin(positions, self.config.rotary_dim, float(self.config.rope.get("rope_theta", 10000.0)), dtype)
@@ -294,8 +300,9 @@ class DFlashLagunaDrafter(nn.Module):
 # folded    : ours. RMSNorm(x) * w_l followed by W_l is x_hat @ (W_l * w_l)^T, so
 #             fold every layer's input-layernorm weight into its K/V rows once,
 #             normalise the context ONCE (no weight), run ONE GEMM for all layers'
-#             K and V, then K-norm + RoPE in one pass. On a GPU with Triton the last
-#             pass is a single fused kernel (dflash_lab.kernels).
+#             K and V, then K-norm + RoPE in one pass. On a GPU with Triton the norm
+#             becomes a row scale applied after the GEMM (row scales commute with it)
+#             and the last pass is a single fused kernel (dflash_lab.kernels).
 
 
 def _build_context_kv_buffers(drafter: DFlashLagunaDrafter, device, dtype) -> dict:
@@ -347,17 +354,21 @@ def context_kv_batched(drafter: DFlashLagunaDrafter, context: torch.Tensor, posi
     return apply_rope(k, cos, sin), v
 
 
-def context_kv_folded(drafter: DFlashLagunaDrafter, context: torch.Tensor, positions: torch.Tensor):
+def context_kv_folded(drafter: DFlashLagunaDrafter, context: torch.Tensor, positions: torch.Tensor, *,
+                      fused: bool | None = None):
     cfg, L, N = drafter.config, len(drafter.layers), context.shape[0]
     bufs = _build_context_kv_buffers(drafter, context.device, context.dtype)
+    from . import kernels  # the fused GPU epilogue, when Triton can run it
+
+    if kernels.fused_available(context, fused):
+        # 1/rms of each row, ONE GEMM on the raw context, ONE epilogue kernel (row scale,
+        # K-norm, RoPE, K/V split): RMSNorm is a row scale, and row scales commute with GEMMs.
+        return kernels.folded_context_kv(context, bufs["folded_weight"], bufs["k_norm_weights"], positions, cfg,
+                                         bias=bufs.get("kv_biases"))
     kv = rms_normalize(context, cfg.rms_norm_eps) @ bufs["folded_weight"].T  # ONE GEMM: (N, L*2*nkv*hd)
     if "kv_biases" in bufs:
         kv = kv + bufs["kv_biases"].flatten()
     kv = kv.view(N, L, 2, cfg.num_key_value_heads, cfg.head_dim)
-    from . import kernels  # the fused GPU epilogue, when Triton can run it
-
-    if kernels.fused_available(kv):
-        return kernels.knorm_rope_split(kv, bufs["k_norm_weights"], positions, cfg)
     cos, sin = drafter.rope_tables(positions, context.dtype)
     k = bufs["k_norm_weights"][:, None, None, :] * rms_normalize(kv[:, :, 0].transpose(0, 1), cfg.rms_norm_eps)
     return apply_rope(k, cos, sin).contiguous(), kv[:, :, 1].transpose(0, 1).contiguous()  # (L, N, nkv, hd)
