@@ -83,6 +83,17 @@ def test_config_json_is_what_vllm_reads(tmp_path, make_drafter):
     assert cfg["draft_vocab_size"] == 128 and cfg["target_layer_count"] == 6 and cfg["sliding_window"] == 8
 
 
+def test_round_trip_keeps_an_unset_target_layer_count_unset(tmp_path, make_drafter):
+    # Without target_layer_count the drafter guesses max(target_layer_ids) + 1 for its
+    # layer names; saving must not turn that guess into a fact that a later
+    # validate_against_target would hold against the real (deeper) target.
+    drafter = make_drafter(1, target_layer_count=None)
+    save_drafter(drafter, tmp_path / "ckpt")
+    loaded = load_drafter(tmp_path / "ckpt")
+    assert loaded.config == drafter.config and loaded.config.target_layer_count is None
+    loaded.config.validate_against_target({"vocab_size": 128, "num_hidden_layers": 8, "hidden_size": 64})
+
+
 def test_target_hidden_size_is_read_off_fc_when_the_config_omits_it(tmp_path, make_drafter):
     drafter = make_drafter(1)
     save_drafter(drafter, tmp_path / "ckpt")
