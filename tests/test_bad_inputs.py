@@ -9,6 +9,7 @@ is told where to look.
 
 from __future__ import annotations
 
+import functools
 import json
 import pickle
 import re
@@ -123,6 +124,57 @@ def damaged_weights(damage: Callable[[bytes], bytes]) -> Callable[[Path], object
         return load_drafter(weights.parent)
 
     return provoke
+
+
+@functools.cache
+def tiny_target():
+    """A 4-layer Laguna target matching ``config_dict()`` (vocab 128, hidden 32)."""
+    from dflash_lab.target import build_target, tiny_laguna_config
+
+    cfg = tiny_laguna_config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=8,
+        mlp_layer_types=["dense"] * 4, num_experts=2, moe_intermediate_size=16, shared_expert_intermediate_size=16,
+        max_position_embeddings=64,
+    )
+    return build_target(cfg, seed=0)
+
+
+def generate(drafter=None, prompt=(5, 6, 7), **kwargs):
+    """speculative_generate on the tiny pair; ``kwargs`` override the (valid) arguments."""
+    from dflash_lab.spec_decode import speculative_generate
+
+    args = {"max_new_tokens": 2, **kwargs}
+    prompt = torch.tensor([list(prompt)], dtype=torch.long)
+    return lambda tmp: speculative_generate(tiny_target(), tiny_drafter() if drafter is None else drafter, prompt, **args)
+
+
+def target_specs() -> dict:
+    """vLLM KV-cache specs of the tiny target's layers."""
+    from dflash_lab.kv_groups import laguna_target_specs
+
+    return laguna_target_specs(tiny_target().config)
+
+
+def kv_groups_of(specs: Callable[[], object], **kwargs) -> Callable[[Path], object]:
+    def provoke(tmp: Path):
+        from dflash_lab.kv_groups import kv_cache_groups
+
+        return kv_cache_groups(specs(), **kwargs)
+
+    return provoke
+
+
+def first_layer_twice() -> list:
+    name, spec = next(iter(target_specs().items()))
+    return [(name, spec), (name, spec)]
+
+
+def short_layer_types(tmp: Path):
+    from dflash_lab.kv_groups import laguna_target_specs
+
+    config = {**tiny_target().config.to_dict(), "layer_types": ["full_attention"] * 3}
+    return laguna_target_specs(config)
 
 
 class Payload:
@@ -240,8 +292,33 @@ CASES = [
     Case("pair-fc-weight-for-another-target", edited_config(target_hidden_size=48), CheckpointError, r"mis-shaped tensors .*fc\.weight: checkpoint \(32, 64\) vs model \(32, 96\)"),
     Case("pair-aux-hidden-wrong-width", lambda tmp: tiny_drafter().combine_hidden_states(torch.zeros(3, 48)), ValueError,
          r"aux hidden states have last dim 48, expected 2 target layers x hidden 32"),
+    Case("pair-dtype-mismatch", generate(tiny_drafter().to(torch.bfloat16)), ValueError,
+         r"same dtype: target torch\.float32, drafter torch\.bfloat16"),
+    Case("pair-device-mismatch", generate(tiny_drafter().to("meta")), ValueError, r"same device: target on cpu, drafter on meta"),
+    Case("pair-vocab-mismatch-at-generation", generate(tiny_drafter(draft_vocab_size=256)), ConfigError,
+         r"`draft_vocab_size` 256 != target vocab_size 128"),
     Case("drafter-unknown-context-kv-path", lambda tmp: tiny_drafter().precompute_context_kv(torch.zeros(3, 32), torch.arange(3), path="fast"),
          ValueError, r"path must be one of .* got 'fast'"),
+    # --- generation arguments -----------------------------------------------
+    Case("gen-block-size-below-2", generate(block_size=1), ValueError, r"block_size must be >= 2"),
+    Case("gen-block-size-above-drafter", generate(block_size=5), ValueError, r"block_size 5 is larger than the drafter supports \(its config\.block_size is 4\)"),
+    Case("gen-empty-prompt", generate(prompt=()), ValueError, r"input_ids is empty"),
+    Case("gen-token-outside-vocab", generate(prompt=(5, VOCAB)), ValueError, r"input_ids holds token id 128, outside the vocabulary"),
+    Case("gen-negative-temperature", generate(temperature=-0.5), ValueError, r"temperature must be a finite number >= 0 .* got -0\.5"),
+    Case("gen-top-p-zero", generate(top_p=0.0), ValueError, r"top_p must be in \(0, 1\], got 0\.0"),
+    Case("gen-top-p-above-one", generate(top_p=1.5), ValueError, r"top_p must be in \(0, 1\], got 1\.5"),
+    Case("gen-negative-max-new-tokens", generate(max_new_tokens=-1), ValueError, r"max_new_tokens must be a non-negative integer"),
+    # --- KV-cache groups -------------------------------------------------------
+    Case("kv-unknown-method", kv_groups_of(target_specs, method="medusa2"), ValueError, r"method 'medusa2' is not a speculative method"),
+    Case("kv-unknown-model-type", kv_groups_of(target_specs, method="mtp", model_type="lagunaa"), ValueError, r"model_type 'lagunaa' is not a model type"),
+    Case("kv-unknown-layout", kv_groups_of(target_specs, layout="XYZ"), ValueError, r"layout 'XYZ' is not a vLLM KV-cache layout"),
+    Case("kv-duplicate-layer-name", kv_groups_of(first_layer_twice), ValueError,
+         r"kv_cache_spec: layer name 'model\.layers\.0\.self_attn\.attn' appears twice"),
+    Case("kv-empty-layer-name", kv_groups_of(lambda: {"": next(iter(target_specs().values()))}), ValueError, r"kv_cache_spec: a layer name is empty"),
+    Case("kv-no-layers", kv_groups_of(dict), ValueError, r"kv_cache_spec is empty"),
+    Case("kv-not-a-spec", kv_groups_of(lambda: {"model.layers.0.self_attn.attn": 3}), TypeError,
+         r"kv_cache_spec\['model\.layers\.0\.self_attn\.attn'\] must be a vLLM KVCacheSpec, got int"),
+    Case("kv-wrong-length-layer-types", short_layer_types, ValueError, r"target config: `layer_types` has 3 entries but num_hidden_layers is 4"),
 ]
 
 
