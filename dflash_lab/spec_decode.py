@@ -311,6 +311,24 @@ class SpecDecodeStats:
     def __radd__(self, other):
         return self if other == 0 else NotImplemented  # so that sum(list_of_stats) works
 
+    def __sub__(self, other: "SpecDecodeStats") -> "SpecDecodeStats":
+        """Counters of ``self`` minus ``other``: a run between two scrapes of vLLM's cumulative counters."""
+        if not isinstance(other, SpecDecodeStats):
+            return NotImplemented
+        a, b = self.num_accepted_tokens_per_pos, other.num_accepted_tokens_per_pos
+        n = max(len(a), len(b))
+        diff = SpecDecodeStats(
+            num_drafts=self.num_drafts - other.num_drafts,
+            num_draft_tokens=self.num_draft_tokens - other.num_draft_tokens,
+            num_accepted_tokens=self.num_accepted_tokens - other.num_accepted_tokens,
+            num_accepted_tokens_per_pos=[(a[i] if i < len(a) else 0) - (b[i] if i < len(b) else 0) for i in range(n)],
+            num_generated_tokens=self.num_generated_tokens - other.num_generated_tokens,
+            num_target_forwards=self.num_target_forwards - other.num_target_forwards,
+        )
+        if min([diff.num_drafts, diff.num_draft_tokens, diff.num_accepted_tokens, *diff.num_accepted_tokens_per_pos]) < 0:
+            raise ValueError("counters went down: subtract the EARLIER stats from the later ones (did the server restart?)")
+        return diff
+
     def summary(self, digits: int = 3) -> dict:
         """The headline numbers, rounded (small enough to print in a notebook)."""
         r = lambda x: round(x, digits) if isinstance(x, float) and math.isfinite(x) else x  # noqa: E731
