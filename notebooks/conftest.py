@@ -16,18 +16,27 @@ import tempfile
 from dflash_lab.repro import install_network_guard, set_offline_env, write_ipython_startup
 
 set_offline_env()
-_ipython_dir = tempfile.mkdtemp(prefix="dflash-lab-ipython-")
-write_ipython_startup(_ipython_dir)
-os.environ["IPYTHONDIR"] = _ipython_dir
-_remove_guard = None
+_cleanup = []
 
 
 def pytest_configure(config):
-    global _remove_guard
-    _remove_guard = install_network_guard()  # this process talks to the kernel over loopback only
+    ipython_dir = tempfile.mkdtemp(prefix="dflash-lab-ipython-")
+    write_ipython_startup(ipython_dir)
+    previous = os.environ.get("IPYTHONDIR")
+    os.environ["IPYTHONDIR"] = ipython_dir
+    remove_guard = install_network_guard()  # this process talks to the kernel over loopback only
+
+    def cleanup():
+        remove_guard()
+        if previous is None:
+            os.environ.pop("IPYTHONDIR", None)
+        else:
+            os.environ["IPYTHONDIR"] = previous
+        shutil.rmtree(ipython_dir, ignore_errors=True)
+
+    _cleanup.append(cleanup)
 
 
 def pytest_unconfigure(config):
-    if _remove_guard is not None:
-        _remove_guard()
-    shutil.rmtree(_ipython_dir, ignore_errors=True)
+    while _cleanup:
+        _cleanup.pop()()
