@@ -1,0 +1,225 @@
+# %% [markdown]
+# # Chapter 2 · The context K/V
+#
+# **Question.** What context K/V does the drafter precompute from the target's
+# features, and do the three ways of computing it agree?
+#
+# Before a block is drafted, every drafter layer needs keys and values for every
+# context position: the positions the target has already processed. DFlash computes
+# them once from the target's hidden features and only appends the newly accepted
+# positions after each step. For drafter layer *l* and context state *x*:
+#
+# K = RoPE(K-norm(W_K · RMSNorm_l(x))),  V = W_V · RMSNorm_l(x)
+#
+# The lab computes this three ways, side by side in `dflash_lab/drafter.py`:
+#
+# | path | what it does |
+# |---|---|
+# | `reference` | a loop over layers: the readable definition |
+# | `batched` | vLLM 0.33's structure: stacked weights, one batched RMSNorm of L copies of the context, one batched GEMM, one batched K-norm, RoPE on all layers at once |
+# | `folded` | ours: fold each layer's RMSNorm weight into its K/V rows once, normalise the context once, ONE GEMM for every layer's K and V, then K-norm + RoPE in one pass |
+
+# %%
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing in the lab reaches the network
+
+import copy
+
+import torch
+import torch.nn.functional as F
+
+from dflash_lab import viz
+from dflash_lab.config import DFlashDrafterConfig
+from dflash_lab.drafter import DFlashLagunaDrafter, dflash_attention_mask
+from dflash_lab.repro import seed_everything
+from dflash_lab.target import build_target, target_forward, target_layer_ids_spread, tiny_laguna_config
+from dflash_lab.widgets import CONTEXT_KV_TOLERANCES, context_kv_path_explorer, sliding_window_explorer
+
+seed_everything(0)
+
+# %% [markdown]
+# We use the shipped trained pair (the tiny Laguna target and its DFlash drafter)
+# when it is there. Without it the chapter still runs, on random weights, and says
+# so below: the shapes, the agreement of the paths and the window are the same, only
+# the pictures are less interesting.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+try:
+    from dflash_lab.assets import default_device
+except ImportError:  # the lab's device picker, before dflash_lab.assets existed
+    def default_device():
+        return os.environ.get("DFLASH_LAB_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
+
+device = torch.device(default_device())
+try:
+    from dflash_lab.assets import load_default_pair
+
+    target, drafter, tokenizer = load_default_pair(device=device)
+    weights = "the shipped trained pair"
+except (ImportError, OSError) as missing:  # OSError covers FileNotFoundError
+    target = build_target(tiny_laguna_config(), seed=0).to(device)
+    drafter = DFlashLagunaDrafter(DFlashDrafterConfig.from_dict({
+        "hidden_size": 256, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 64, "intermediate_size": 768, "layer_types": ["sliding_attention"] * 3, "sliding_window": 16,
+        "draft_vocab_size": 4096, "target_layer_count": 6,
+        "dflash_config": {"target_layer_ids": target_layer_ids_spread(6, 3), "mask_token_id": 3, "block_size": 8},
+    })).to(device).eval()
+    tokenizer = None
+    weights = f"RANDOM weights: the trained pair is not available ({type(missing).__name__}: {missing})"
+print("device:", device)
+print("weights:", weights)
+cfg = drafter.config
+print(f"drafter: {cfg.num_hidden_layers} x {cfg.layer_type}, {cfg.num_key_value_heads} KV heads of {cfg.head_dim}, "
+      f"reads target layers {cfg.target_layer_ids}")
+
+# %% [markdown]
+# ## 1 · From target features to context K/V
+#
+# 48 tokens of Python go through the target once; the outputs of the drafter's
+# target layers are combined into one context state per position, and the drafter
+# turns those into K and V for each of its layers.
+
+# %%
+code = '''def fibonacci(n):
+    """Return the n-th Fibonacci number."""
+    a, b = 0, 1
+    for _ in range(n):
+        a, b = b, a + b
+    return a
+
+
+for i in range(10):
+    print(i, fibonacci(i))
+'''
+T = 48
+if tokenizer is not None:
+    encoded = tokenizer.encode(code * 4)
+    token_ids = list(getattr(encoded, "ids", encoded))[:T]
+else:
+    token_ids = torch.randint(4, cfg.draft_vocab_size, (T,), generator=torch.Generator().manual_seed(0)).tolist()
+input_ids = torch.tensor([token_ids], device=device)
+positions = torch.arange(T, device=device)
+with torch.no_grad():
+    features = target_forward(target, input_ids, cfg.target_layer_ids)
+    context = drafter.combine_hidden_states(features.aux_hidden[0])  # (T, hidden)
+    k, v = drafter.precompute_context_kv(context, positions, path="reference")
+L, nkv, hd = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
+print("tokens:", input_ids.shape[1])
+print("K is (layers, positions, KV heads, head dim):", tuple(k.shape) == (L, T, nkv, hd))
+print("V is (layers, positions, KV heads, head dim):", tuple(v.shape) == (L, T, nkv, hd))
+
+# %% [markdown]
+# ## 2 · Norms per layer and position
+#
+# One cell per (layer, position): the L2 norm of that position's K (all heads
+# together) and of its V. K has been through K-norm, so its rows are nearly flat;
+# V is the raw projection and carries whatever the context state carries.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+viz.context_kv_norms_figure(k, v, positions=positions)
+
+# %% [markdown]
+# The same per KV head, for the first and the last drafter layer. Grouped-query
+# attention means each KV head serves several query heads; the context store holds
+# only the KV heads.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+viz.context_kv_head_norms_figure(k, v, layer=0, positions=positions)
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+viz.context_kv_head_norms_figure(k, v, layer=L - 1, positions=positions)
+
+# %% [markdown]
+# ## 3 · What K-norm does
+#
+# K before K-norm is the raw projection of the normalised context (three lines
+# below). K-norm rescales every head vector to unit RMS times its learned weight, so
+# the size of K no longer follows the size of the context state; RoPE then only
+# rotates, which keeps norms.
+
+# %%
+with torch.no_grad():
+    k_before = torch.stack([
+        F.linear(layer.input_layernorm(context),
+                 layer.self_attn.qkv_proj.weight[layer.self_attn.q_size:][: nkv * hd]).unflatten(-1, (nkv, hd))
+        for layer in drafter.layers
+    ])  # (L, T, nkv, hd)
+    k_normed = torch.stack([layer.self_attn.k_norm(kb) for layer, kb in zip(drafter.layers, k_before)])
+tol = 1e-4 if k.dtype == torch.float32 else 2e-2
+print("K before K-norm has K's shape:", k_before.shape == k.shape)
+print("RoPE keeps every head's norm:", torch.allclose(k_normed.norm(dim=-1), k.norm(dim=-1), rtol=tol, atol=tol))
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+viz.k_norm_effect_figure(k_before, k, positions=positions)
+
+# %% [markdown]
+# ## 4 · Three paths, one answer
+#
+# The paths differ in the order of operations, so they agree to rounding: within
+# 1e-5 in float32; in bfloat16 within 6e-2 at worst and 5e-3 on average (K has unit
+# RMS after K-norm, and a bfloat16 step near 2 is 0.016).
+
+# %%
+drafter32 = copy.deepcopy(drafter).float()
+context32 = context.float()
+for dtype_name, (max_tol, mean_tol) in CONTEXT_KV_TOLERANCES.items():
+    dtype = getattr(torch, dtype_name)
+    model = drafter32 if dtype == torch.float32 else copy.deepcopy(drafter32).to(dtype)
+    with torch.no_grad():
+        ref = model.precompute_context_kv(context32.to(dtype), positions, path="reference")
+        for path in ("batched", "folded"):
+            out = model.precompute_context_kv(context32.to(dtype), positions, path=path)
+            errors = [(a.float() - b.float()).abs() for a, b in zip(out, ref)]
+            ok = all(e.max() <= max_tol and (mean_tol is None or e.mean() <= mean_tol) for e in errors)
+            print(f"{dtype_name:8s} {path:7s} agrees with reference: {ok}")
+
+# %% [markdown]
+# Switch the path and the dtype: the left panel is that path's ‖K‖, the right panel
+# its largest deviation from the reference at each (layer, position), and the line
+# above says whether it is within tolerance.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+context_kv_path_explorer(drafter32, context32, positions)
+
+# %% [markdown]
+# ## 5 · What the sliding window hides
+#
+# A block of 8 starts right after 24 context positions. Every query sees the whole
+# block (no causal mask inside it) and the context before the block. With a sliding
+# window of *w*, a query at position *p* sees only keys at positions > *p − w*: the
+# window limits **compute**. The K/V store itself stays full (vLLM gives DFlash
+# drafter layers a full-attention KV cache even when they slide), because the next
+# block's queries sit further right and the store is written at absolute positions.
+
+# %%
+block_positions = torch.arange(24, 32)[None]
+for window in (8, 4, None):
+    mask = dflash_attention_mask(block_positions, torch.arange(24), block_size=8, window=window)[0]
+    print(f"window {str(window):4s}: context keys seen per block query {mask[:, :24].sum(-1).tolist()}, "
+          f"block keys seen {mask[:, 24:].sum(-1).tolist()}")
+
+# %% [markdown]
+# Toggle the window and move its size: blue cells are context keys a query sees,
+# orange cells block keys, grey cells hidden.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+sliding_window_explorer(context_len=24, block_size=8, window=8)
+
+# %% [markdown]
+# This drafter's own layers:
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+print(f"{cfg.layer_type}, window {cfg.window}")
+
+# %% [markdown]
+# **Where next.** Chapter 3 puts the context K/V to work: draft, verify, accept, and
+# how far into the block the drafter stays right.
