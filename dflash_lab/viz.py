@@ -56,34 +56,32 @@ def _side_by_side(left: go.Heatmap, right: go.Heatmap, titles, *, title: str, he
     return fig
 
 
+def _norm_maps(left, right, *, rows, positions, titles, title: str, what: str = "norm",
+               colorscales=("Viridis", "Cividis")) -> go.Figure:
+    """Two (rows, N) arrays of norms as heatmaps over context positions."""
+    xs = _positions_axis(positions, left.shape[1])
+    hover = f"%{{y}}, position %{{x}}<br>{what} %{{z:.3f}}<extra></extra>"
+    return _side_by_side(
+        go.Heatmap(z=left, x=xs, y=rows, colorscale=colorscales[0], hovertemplate=hover),
+        go.Heatmap(z=right, x=xs, y=rows, colorscale=colorscales[1], hovertemplate=hover),
+        titles, title=title, height=180 + 28 * len(rows),
+    )
+
+
 def context_kv_norms_figure(k, v, *, positions=None, title: str | None = None) -> go.Figure:
     """‖K‖ and ‖V‖ per drafter layer × context position (norm over every head and channel)."""
-    k, v = _array(k), _array(v)  # (L, N, nkv, hd)
-    L, N = k.shape[:2]
-    xs, ys = _positions_axis(positions, N), [f"layer {l}" for l in range(L)]
-    kn, vn = (((a**2).sum(axis=(2, 3))) ** 0.5 for a in (k, v))  # (L, N)
-    hover = "%{y}, position %{x}<br>norm %{z:.3f}<extra></extra>"
-    return _side_by_side(
-        go.Heatmap(z=kn, x=xs, y=ys, colorscale="Viridis", hovertemplate=hover),
-        go.Heatmap(z=vn, x=xs, y=ys, colorscale="Cividis", hovertemplate=hover),
-        ("‖K‖ (after K-norm and RoPE)", "‖V‖ (as projected)"),
-        title=title or "Context K/V norms per layer and position", height=180 + 28 * L,
-    )
+    kn, vn = (((_array(a) ** 2).sum(axis=(2, 3))) ** 0.5 for a in (k, v))  # (L, N) from (L, N, nkv, hd)
+    return _norm_maps(kn, vn, rows=[f"layer {l}" for l in range(len(kn))], positions=positions,
+                      titles=("‖K‖ (after K-norm and RoPE)", "‖V‖ (as projected)"),
+                      title=title or "Context K/V norms per layer and position")
 
 
 def context_kv_head_norms_figure(k, v, *, layer: int = 0, positions=None, title: str | None = None) -> go.Figure:
     """‖K‖ and ‖V‖ per KV head × context position, for one drafter layer."""
-    k, v = _array(k)[layer], _array(v)[layer]  # (N, nkv, hd)
-    N, nkv = k.shape[:2]
-    xs, ys = _positions_axis(positions, N), [f"kv head {h}" for h in range(nkv)]
-    kn, vn = ((((a**2).sum(axis=-1)) ** 0.5).T for a in (k, v))  # (nkv, N)
-    hover = "%{y}, position %{x}<br>norm %{z:.3f}<extra></extra>"
-    return _side_by_side(
-        go.Heatmap(z=kn, x=xs, y=ys, colorscale="Viridis", hovertemplate=hover),
-        go.Heatmap(z=vn, x=xs, y=ys, colorscale="Cividis", hovertemplate=hover),
-        (f"‖K‖ per head, layer {layer}", f"‖V‖ per head, layer {layer}"),
-        title=title or f"Context K/V norms per KV head and position (layer {layer})", height=180 + 28 * nkv,
-    )
+    kn, vn = ((((_array(a)[layer] ** 2).sum(axis=-1)) ** 0.5).T for a in (k, v))  # (nkv, N)
+    return _norm_maps(kn, vn, rows=[f"kv head {h}" for h in range(len(kn))], positions=positions,
+                      titles=(f"‖K‖ per head, layer {layer}", f"‖V‖ per head, layer {layer}"),
+                      title=title or f"Context K/V norms per KV head and position (layer {layer})")
 
 
 def k_norm_effect_figure(k_before, k_after, *, positions=None, title: str | None = None) -> go.Figure:
@@ -93,17 +91,11 @@ def k_norm_effect_figure(k_before, k_after, *, positions=None, title: str | None
     every head vector has unit RMS times the K-norm weight (RoPE keeps norms), so
     each layer's row becomes flat.
     """
-    before, after = _array(k_before), _array(k_after)  # (L, N, nkv, hd)
-    L, N = before.shape[:2]
-    xs, ys = _positions_axis(positions, N), [f"layer {l}" for l in range(L)]
-    b, a = ((((x**2).sum(axis=-1)) ** 0.5).mean(axis=-1) for x in (before, after))  # (L, N)
-    hover = "%{y}, position %{x}<br>mean per-head norm %{z:.3f}<extra></extra>"
-    return _side_by_side(
-        go.Heatmap(z=b, x=xs, y=ys, colorscale="Magma", hovertemplate=hover),
-        go.Heatmap(z=a, x=xs, y=ys, colorscale="Viridis", hovertemplate=hover),
-        ("before K-norm (raw projection)", "after K-norm and RoPE"),
-        title=title or "What K-norm does: per-head ‖K‖ before and after", height=180 + 28 * L,
-    )
+    b, a = ((((_array(x) ** 2).sum(axis=-1)) ** 0.5).mean(axis=-1) for x in (k_before, k_after))  # (L, N)
+    return _norm_maps(b, a, rows=[f"layer {l}" for l in range(len(b))], positions=positions,
+                      titles=("before K-norm (raw projection)", "after K-norm and RoPE"),
+                      title=title or "What K-norm does: per-head ‖K‖ before and after",
+                      what="mean per-head norm", colorscales=("Magma", "Viridis"))
 
 
 def context_kv_path_figure(k, v, k_ref, v_ref, *, path: str, positions=None, title: str | None = None) -> go.Figure:
@@ -178,6 +170,163 @@ def parameter_table_figure(rows, *, title: str | None = None) -> go.Figure:
 # ---------------------------------------------------------------------------
 # Chapter 3: per-position acceptance
 # ---------------------------------------------------------------------------
+#
+# Every figure takes SpecDecodeStats: from speculative_generate, or from a vLLM
+# server's /metrics through dflash_lab.metrics; both draw the same way.
+
+# drafted-and-accepted / drafted-and-rejected / the target's own token
+TOKEN_COLORS = {"accepted": PALETTE["green"], "rejected": PALETTE["red"], "bonus": PALETTE["blue"]}
+_METHOD_COLORS = [PALETTE["blue"], PALETTE["orange"], PALETTE["purple"], PALETTE["green"], PALETTE["sky"], PALETTE["red"]]
+
+
+def _tau(stats) -> str:
+    return f"τ = {stats.mean_acceptance_length:.2f}" if stats.num_drafts else "no drafts"
+
+
+def per_position_acceptance_figure(stats, *, title: str | None = None) -> go.Figure:
+    """Bars: vLLM's per-position acceptance rate (drafts whose first i tokens were
+    all accepted); line: the conditional rate P(position i accepted | i-1 accepted)."""
+    rates = stats.per_position_acceptance_rate
+    positions = list(range(1, len(rates) + 1))
+    conditional = [None if r != r else r for r in stats.conditional_acceptance_rate]  # NaN -> gap
+    fig = go.Figure([
+        go.Bar(x=positions, y=rates, name="accepted through position i (vLLM)", marker_color=PALETTE["blue"],
+               text=[f"{r:.2f}" for r in rates], textposition="outside",
+               hovertemplate="position %{x}: %{y:.3f} of drafts<extra></extra>"),
+        go.Scatter(x=positions, y=conditional, name="accepted at i | accepted at i−1", mode="lines+markers",
+                   line=dict(color=PALETTE["orange"]),
+                   hovertemplate="position %{x}: %{y:.3f}<extra>conditional</extra>"),
+    ])
+    fig.update_layout(
+        title=title or f"Per-position acceptance · {_tau(stats)} · {stats.num_drafts:,} drafts",
+        xaxis=dict(title="draft position i (1 = first drafted token)", dtick=1),
+        yaxis=dict(title="rate", range=[0, 1.1]), legend=dict(orientation="h", y=-0.2),
+        height=380, margin=dict(l=10, r=10, t=60, b=10),
+    )
+    return fig
+
+
+def acceptance_length_histogram(stats, *, title: str | None = None) -> go.Figure:
+    """Share of drafts by acceptance length (tokens a verification yields, the bonus included).
+
+    Computed from the per-position counters alone, so it works for vLLM /metrics too.
+    """
+    counts = stats.acceptance_length_counts()
+    share = [c / stats.num_drafts if stats.num_drafts else 0.0 for c in counts]
+    lengths = list(range(1, len(counts) + 1))
+    fig = go.Figure(go.Bar(x=lengths, y=share, marker_color=PALETTE["green"], customdata=counts,
+                           hovertemplate="length %{x}: %{y:.3f} (%{customdata} drafts)<extra></extra>"))
+    fig.add_vline(x=stats.mean_acceptance_length if stats.num_drafts else 1, line_dash="dash",
+                  line_color=PALETTE["grey"], annotation_text=_tau(stats), annotation_position="top")
+    fig.update_layout(
+        title=title or "Acceptance length per draft (1 = only the target's token)",
+        xaxis=dict(title="acceptance length", dtick=1), yaxis=dict(title="share of drafts", rangemode="tozero"),
+        height=340, margin=dict(l=10, r=10, t=60, b=10), showlegend=False,
+    )
+    return fig
+
+
+def acceptance_sweep_figure(stats_by_method: dict, *, x_title: str, title: str | None = None) -> go.Figure:
+    """Mean acceptance length against a setting: ``{method: {setting: SpecDecodeStats}}``."""
+    fig = go.Figure()
+    for i, (method, by_x) in enumerate(stats_by_method.items()):
+        xs = sorted(by_x)
+        fig.add_trace(go.Scatter(
+            x=xs, y=[by_x[x].mean_acceptance_length for x in xs], name=method, mode="lines+markers",
+            line=dict(color=_METHOD_COLORS[i % len(_METHOD_COLORS)]),
+            customdata=[[by_x[x].num_drafts, by_x[x].target_forwards_per_token] for x in xs],
+            hovertemplate="%{x}: τ = %{y:.2f}<br>%{customdata[0]} drafts, %{customdata[1]:.2f} target forwards/token"
+                          f"<extra>{method}</extra>",
+        ))
+    fig.update_layout(title=title or f"Mean acceptance length vs {x_title}", xaxis=dict(title=x_title),
+                      yaxis=dict(title="mean acceptance length τ", rangemode="tozero"),
+                      height=340, margin=dict(l=10, r=10, t=60, b=10))
+    return fig
+
+
+def acceptance_vs_block_size_figure(stats_by_method: dict, *, title: str | None = None) -> go.Figure:
+    """``{method: {block_size: SpecDecodeStats}}`` -> τ against block size."""
+    fig = acceptance_sweep_figure(stats_by_method, x_title="block size", title=title)
+    fig.update_xaxes(type="log", tickvals=sorted({b for by_x in stats_by_method.values() for b in by_x}))
+    return fig
+
+
+def acceptance_vs_temperature_figure(stats_by_method: dict, *, title: str | None = None) -> go.Figure:
+    """``{method: {temperature: SpecDecodeStats}}`` -> τ against sampling temperature (0 = greedy)."""
+    return acceptance_sweep_figure(stats_by_method, x_title="temperature", title=title)
+
+
+def compare_acceptance_figure(stats_by_method: dict, *, title: str | None = None) -> go.Figure:
+    """Methods side by side (e.g. DFlash vs prompt lookup): per-position rates and acceptance lengths."""
+    from plotly.subplots import make_subplots
+
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("accepted through draft position i", "acceptance length"),
+                        horizontal_spacing=0.1)
+    for i, (method, stats) in enumerate(stats_by_method.items()):
+        color, name = _METHOD_COLORS[i % len(_METHOD_COLORS)], f"{method} ({_tau(stats)})"
+        rates = stats.per_position_acceptance_rate
+        fig.add_trace(go.Bar(x=list(range(1, len(rates) + 1)), y=rates, name=name, legendgroup=method,
+                             marker_color=color, hovertemplate="position %{x}: %{y:.3f}<extra>" + method + "</extra>"), 1, 1)
+        counts = stats.acceptance_length_counts()
+        share = [c / stats.num_drafts if stats.num_drafts else 0.0 for c in counts]
+        fig.add_trace(go.Bar(x=list(range(1, len(counts) + 1)), y=share, name=name, legendgroup=method,
+                             marker_color=color, showlegend=False,
+                             hovertemplate="length %{x}: %{y:.3f}<extra>" + method + "</extra>"), 1, 2)
+    fig.update_layout(title=title or "Drafters side by side", barmode="group", height=380,
+                      legend=dict(orientation="h", y=-0.2), margin=dict(l=10, r=10, t=80, b=10))
+    fig.update_xaxes(title_text="draft position i", dtick=1, row=1, col=1)
+    fig.update_xaxes(title_text="acceptance length", dtick=1, row=1, col=2)
+    fig.update_yaxes(range=[0, 1.05], row=1, col=1)
+    fig.update_yaxes(title_text="share of drafts", rangemode="tozero", row=1, col=2)
+    return fig
+
+
+def _token_text(decode, token_id: int) -> str:
+    import html
+
+    text = decode([token_id]) if callable(decode) else decode.decode([token_id])
+    return html.escape(text).replace("\n", "↵\n").replace("\t", "⇥") or "∅"
+
+
+def acceptance_tokens_html(result, tokenizer, *, prompt_tail: int = 40) -> str:
+    """The generated text, each token coloured by where it came from.
+
+    green: drafted and accepted; blue: the target's own token (the bonus after
+    a fully accepted block, or the correction after a rejection); red, struck
+    through: the drafted token the target rejected at that spot (hover it for
+    the rest of the discarded draft). ``tokenizer`` has ``decode(ids)`` (or is
+    such a callable). The prompt's last ``prompt_tail`` tokens lead in grey.
+    """
+    import html
+
+    def span(tok, kind, hover):
+        style = f"color:{TOKEN_COLORS[kind]};" + ("text-decoration:line-through;opacity:0.7;" if kind == "rejected" else "")
+        if kind != "rejected":
+            style += f"border-bottom:2px solid {TOKEN_COLORS[kind]};"
+        return f'<span style="{style}" title="{html.escape(hover)}">{_token_text(tokenizer, tok)}</span>'
+
+    prompt = result.output_ids[0, :result.prompt_length].tolist()[-prompt_tail:]
+    parts = [f'<span style="color:{PALETTE["grey"]}">{"".join(_token_text(tokenizer, t) for t in prompt)}</span>']
+    for step in result.steps:
+        n, emitted = step.num_accepted, step.token_ids
+        for j, tok in enumerate(emitted):
+            if j < n:
+                parts.append(span(tok, "accepted", f"drafted at block position {j + 1}, accepted"))
+                continue
+            if j == n and n < len(step.draft_ids):  # a rejection happened here
+                rest = ", ".join(repr(_token_text(tokenizer, t)) for t in step.draft_ids[n:])
+                parts.append(span(step.draft_ids[n], "rejected", f"drafted at block position {n + 1}, rejected; "
+                                                                 f"discarded draft: {rest}"))
+                hover = "the target's correction"
+            else:
+                hover = "the target's token (bonus)" if step.draft_ids else "the target's token (no draft)"
+            parts.append(span(tok, "bonus", hover))
+    legend = " · ".join(f'<span style="color:{c}">■ {k}</span>' for k, c in
+                        (("drafted, accepted", TOKEN_COLORS["accepted"]), ("drafted, rejected", TOKEN_COLORS["rejected"]),
+                         ("target's token (bonus / correction)", TOKEN_COLORS["bonus"])))
+    body = "".join(parts)
+    return (f'<div style="font-size:12px;margin-bottom:4px">{legend}</div>'
+            f'<pre style="white-space:pre-wrap;font-family:monospace;font-size:12px;line-height:1.5">{body}</pre>')
 
 
 # ---------------------------------------------------------------------------
@@ -251,8 +400,11 @@ def kv_group_layout_figure(rows, *, title: str | None = None, warning: str | Non
     return fig
 
 
-def kv_group_memory_table(memory, *, title: str | None = None) -> go.Figure:
-    """Per-group memory (``kv_groups.group_memory`` rows) as a table figure."""
+def kv_group_memory_figure(memory, *, title: str | None = None) -> go.Figure:
+    """Per-group memory (``kv_groups.group_memory`` rows): a table, and under it each
+    group's share of one pool block (used by its layers, left empty) as stacked bars."""
+    from plotly.subplots import make_subplots
+
     header = ["group", "kind", "layers", "draft", "tokens/block", "page", "group bytes/block",
               "bytes/token", "pool bytes/block", "unused/block", "blocks", "tokens held"]
     columns = [
@@ -270,13 +422,27 @@ def kv_group_memory_table(memory, *, title: str | None = None) -> go.Figure:
         ["one state per block" if m.tokens is None else f"{m.tokens:,}" for m in memory],
     ]
     fill = [[("#fbe3d6" if m.is_draft_group else "white") for m in memory]] * len(header)
-    fig = go.Figure(go.Table(
+    table_height = 40 + 28 * max(len(memory), 1)
+    bars_height = 60 + 28 * max(len(memory), 1)
+    fig = make_subplots(rows=2, cols=1, specs=[[{"type": "table"}], [{"type": "xy"}]],
+                        row_heights=[table_height, bars_height], vertical_spacing=0.08)
+    fig.add_trace(go.Table(
         header=dict(values=header, fill_color=PALETTE["grey"], font=dict(color="white")),
         cells=dict(values=columns, fill_color=fill),
         columnwidth=[1, 3, 1, 1, 1.3, 1.3, 1.5, 1.3, 1.5, 1.3, 1.2, 1.8],
-    ))
-    fig.update_layout(title=title or "Memory per KV-cache group", height=120 + 32 * max(len(memory), 1),
-                      margin=dict(l=10, r=10, t=50, b=10))
+    ), row=1, col=1)
+    groups = [f"g{m.group}" + (" ⚑" if m.is_draft_group else "") for m in memory]
+    for name, values, color in [
+        ("used by the group's layers", [m.bytes_per_block / 1024 for m in memory], PALETTE["blue"]),
+        ("left empty (pool block is wider)", [m.unused_bytes_per_block / 1024 for m in memory], PALETTE["grey"]),
+    ]:
+        fig.add_trace(go.Bar(orientation="h", y=groups, x=values, name=name, marker_color=color,
+                             hovertemplate="%{y}: %{x:,.1f} KiB<extra>" + name + "</extra>"), row=2, col=1)
+    fig.update_xaxes(title_text="KiB of one pool block", row=2, col=1)
+    fig.update_yaxes(autorange="reversed", row=2, col=1)
+    fig.update_layout(title=title or "Memory per KV-cache group", barmode="stack",
+                      height=90 + table_height + bars_height, margin=dict(l=10, r=10, t=50, b=10),
+                      legend=dict(orientation="h", y=-0.12))
     return fig
 
 
