@@ -135,6 +135,14 @@ def _stats_from_samples(samples, wanted: dict[str, str], source: str) -> SpecDec
                                "expected a non-negative integer label")
         per_pos[int(pos)] = per_pos.get(int(pos), 0) + v
     stats.num_accepted_tokens_per_pos = [per_pos.get(i, 0) for i in range(max(per_pos, default=-1) + 1)]
+    # One snapshot of vLLM's counters always satisfies these; anything else is a damaged page.
+    if stats.num_accepted_tokens > stats.num_draft_tokens:
+        raise MetricsError(f"{source}: {NUM_ACCEPTED_TOKENS} ({stats.num_accepted_tokens}) exceeds "
+                           f"{NUM_DRAFT_TOKENS} ({stats.num_draft_tokens}); the counters are inconsistent")
+    over = [i for i, n in enumerate(stats.num_accepted_tokens_per_pos) if n > stats.num_drafts]
+    if over:
+        raise MetricsError(f"{source}: {NUM_ACCEPTED_TOKENS_PER_POS} at position {over[0]} "
+                           f"({stats.num_accepted_tokens_per_pos[over[0]]}) exceeds {NUM_DRAFTS} ({stats.num_drafts})")
     return stats
 
 

@@ -25,7 +25,10 @@ from safetensors.torch import save_file
 from dflash_lab.checkpoint import CheckpointError, load_drafter, save_drafter
 from dflash_lab.config import ConfigError, DFlashDrafterConfig
 from dflash_lab.drafter import DFlashLagunaDrafter
-from dflash_lab.target import load_target
+from dflash_lab.kv_groups import kv_cache_groups, laguna_target_specs
+from dflash_lab.metrics import MetricsError, prometheus_text, stats_from_prometheus_text
+from dflash_lab.spec_decode import SpecDecodeStats, speculative_generate
+from dflash_lab.target import build_target, load_target, tiny_laguna_config
 
 VOCAB = 128
 
@@ -129,8 +132,6 @@ def damaged_weights(damage: Callable[[bytes], bytes]) -> Callable[[Path], object
 @functools.cache
 def tiny_target():
     """A 4-layer Laguna target matching ``config_dict()`` (vocab 128, hidden 32)."""
-    from dflash_lab.target import build_target, tiny_laguna_config
-
     cfg = tiny_laguna_config(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
         num_key_value_heads=1, head_dim=16, layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=8,
@@ -142,8 +143,6 @@ def tiny_target():
 
 def generate(drafter=None, prompt=(5, 6, 7), **kwargs):
     """speculative_generate on the tiny pair; ``kwargs`` override the (valid) arguments."""
-    from dflash_lab.spec_decode import speculative_generate
-
     args = {"max_new_tokens": 2, **kwargs}
     prompt = torch.tensor([list(prompt)], dtype=torch.long)
     return lambda tmp: speculative_generate(tiny_target(), tiny_drafter() if drafter is None else drafter, prompt, **args)
@@ -151,15 +150,11 @@ def generate(drafter=None, prompt=(5, 6, 7), **kwargs):
 
 def target_specs() -> dict:
     """vLLM KV-cache specs of the tiny target's layers."""
-    from dflash_lab.kv_groups import laguna_target_specs
-
     return laguna_target_specs(tiny_target().config)
 
 
 def kv_groups_of(specs: Callable[[], object], **kwargs) -> Callable[[Path], object]:
     def provoke(tmp: Path):
-        from dflash_lab.kv_groups import kv_cache_groups
-
         return kv_cache_groups(specs(), **kwargs)
 
     return provoke
@@ -171,10 +166,32 @@ def first_layer_twice() -> list:
 
 
 def short_layer_types(tmp: Path):
-    from dflash_lab.kv_groups import laguna_target_specs
-
     config = {**tiny_target().config.to_dict(), "layer_types": ["full_attention"] * 3}
     return laguna_target_specs(config)
+
+
+def metrics_page() -> str:
+    """A valid vLLM /metrics page: 2 drafts of 3 tokens, 5 accepted."""
+    stats = SpecDecodeStats()
+    stats.observe_draft(3, 2)
+    stats.observe_draft(3, 3)
+    return prometheus_text(stats, model_name="laguna", engine="0")
+
+
+def counter_line(metric: str) -> str:
+    return f'vllm:spec_decode_{metric}_total{{engine="0",model_name="laguna"}}'
+
+
+def metrics_from(edit: Callable[[str], str], **kwargs) -> Callable[[Path], object]:
+    def provoke(tmp: Path):
+        return stats_from_prometheus_text(edit(metrics_page()), **kwargs)
+
+    return provoke
+
+
+def set_counter(metric: str, value: str) -> Callable[[str], str]:
+    line = counter_line(metric)
+    return lambda text: re.sub(re.escape(line) + r" \S+", f"{line} {value}", text)
 
 
 class Payload:
@@ -319,6 +336,22 @@ CASES = [
     Case("kv-not-a-spec", kv_groups_of(lambda: {"model.layers.0.self_attn.attn": 3}), TypeError,
          r"kv_cache_spec\['model\.layers\.0\.self_attn\.attn'\] must be a vLLM KVCacheSpec, got int"),
     Case("kv-wrong-length-layer-types", short_layer_types, ValueError, r"target config: `layer_types` has 3 entries but num_hidden_layers is 4"),
+    # --- /metrics text -----------------------------------------------------------
+    Case("metrics-missing-counter", metrics_from(lambda t: "\n".join(l for l in t.splitlines() if "num_drafts" not in l)),
+         MetricsError, r"/metrics text has no vllm:spec_decode_num_drafts_total counter"),
+    Case("metrics-non-numeric-value", metrics_from(set_counter("num_draft_tokens", "six")), MetricsError,
+         r"not valid Prometheus exposition: line \d+ 'vllm:spec_decode_num_draft_tokens_total.* six'"),
+    Case("metrics-nan-counter", metrics_from(set_counter("num_accepted_tokens", "NaN")), MetricsError,
+         r"vllm:spec_decode_num_accepted_tokens\{.*\} is nan; a counter must be a non-negative integer"),
+    Case("metrics-fractional-counter", metrics_from(set_counter("num_drafts", "2.5")), MetricsError, r"vllm:spec_decode_num_drafts\{.*\} is 2\.5"),
+    Case("metrics-inconsistent-counters", metrics_from(set_counter("num_accepted_tokens", "50")), MetricsError,
+         r"vllm:spec_decode_num_accepted_tokens \(50\) exceeds vllm:spec_decode_num_draft_tokens \(6\)"),
+    Case("metrics-bad-position-label", metrics_from(lambda t: t.replace('position="1"', 'position="one"')), MetricsError,
+         r"num_accepted_tokens_per_pos has a series with position='one'"),
+    Case("metrics-no-series-for-model", metrics_from(str, model_name="qwen"), MetricsError,
+         r"no vllm:spec_decode_num_drafts series has labels \{'model_name': 'qwen'\}"),
+    Case("metrics-not-text", lambda tmp: stats_from_prometheus_text(42), TypeError,
+         r"text must be the /metrics exposition as str, got int"),
 ]
 
 
