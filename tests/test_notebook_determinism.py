@@ -3,7 +3,8 @@
 nbval compares the text a notebook printed when it was saved with the text it
 prints now; a float printed to all its digits differs in the last one from run
 to run (thread counts, kernel choice), so stored text outputs may carry at most
-``MAX_DECIMALS`` decimals. Print through ``dflash_lab.repro.rounded``.
+``MAX_DECIMALS`` decimals (print through ``dflash_lab.repro.rounded``), and no
+object addresses or temporary paths.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ SOURCES = sorted((REPO / "notebooks" / "src").glob("*.py"))
 NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb"))
 MAX_DECIMALS = 4
 LONG_FLOAT = re.compile(r"(?<![\w.])-?\d+\.\d{%d,}(?:e[-+]?\d+)?" % (MAX_DECIMALS + 1))
+# text that changes from run to run whatever the seed: object addresses and temporary paths
+UNSTABLE = re.compile(r"\bat 0x[0-9a-fA-F]{6,}|/tmp/\S+|/var/folders/\S+")
 # nbval does not compare these cells' outputs
 IGNORED = re.compile(r"#\s*NBVAL_(IGNORE_OUTPUT|SKIP|RAISES_EXCEPTION)")
 IGNORED_TAGS = {"nbval-ignore-output", "nbval-skip", "raises-exception"}
@@ -41,8 +44,8 @@ def test_notebook_source_seeds_and_asks_for_deterministic_kernels(source):
     )
 
 
-def long_floats_in_outputs(nb: dict) -> list[str]:
-    """'cell N: 0.123456' for every over-precise float in compared text outputs."""
+def unstable_text_in_outputs(nb: dict) -> list[str]:
+    """'cell N: 0.123456' for every over-precise float, address or temporary path in compared text outputs."""
     found = []
     for i, cell in enumerate(nb.get("cells", [])):
         src = "".join(cell.get("source", ""))
@@ -52,23 +55,26 @@ def long_floats_in_outputs(nb: dict) -> list[str]:
             texts = [out.get("text", "")] if out.get("output_type") == "stream" else [out.get("data", {}).get("text/plain", "")]
             for text in texts:
                 text = "".join(text) if isinstance(text, list) else text
-                found += [f"cell {i}: {m}" for m in LONG_FLOAT.findall(text)]
+                found += [f"cell {i}: {m}" for m in LONG_FLOAT.findall(text) + UNSTABLE.findall(text)]
     return found
 
 
 @pytest.mark.parametrize("notebook", by_name(NOTEBOOKS))
-def test_stored_text_outputs_print_rounded_floats(notebook):
-    problems = long_floats_in_outputs(json.loads(notebook.read_text()))
-    assert not problems, f"{notebook.name} stores floats with more than {MAX_DECIMALS} decimals:\n" + "\n".join(problems[:20])
+def test_stored_text_outputs_are_stable(notebook):
+    problems = unstable_text_in_outputs(json.loads(notebook.read_text()))
+    assert not problems, (f"{notebook.name} stores text that changes between runs (floats with more than "
+                          f"{MAX_DECIMALS} decimals, addresses, temporary paths):\n" + "\n".join(problems[:20]))
 
 
-def test_the_float_check_catches_long_floats():
+def test_the_check_catches_long_floats_addresses_and_temporary_paths():
     nb = {"cells": [
         {"cell_type": "code", "source": "print(x)", "metadata": {}, "outputs": [{"output_type": "stream", "text": "rate 0.8125 1.234567 v0.33.0\n"}]},
         {"cell_type": "code", "source": "x", "metadata": {}, "outputs": [{"output_type": "execute_result", "data": {"text/plain": ["3.0000001e-05"]}}]},
         {"cell_type": "code", "source": "# NBVAL_IGNORE_OUTPUT\nt", "metadata": {}, "outputs": [{"output_type": "stream", "text": "0.1234567"}]},
+        {"cell_type": "code", "source": "m", "metadata": {}, "outputs": [{"output_type": "stream", "text": "<M object at 0x7f3a2b1c> /tmp/tmpab12/x"}]},
     ]}
-    assert long_floats_in_outputs(nb) == ["cell 0: 1.234567", "cell 1: 3.0000001e-05"]
+    assert unstable_text_in_outputs(nb) == [
+        "cell 0: 1.234567", "cell 1: 3.0000001e-05", "cell 3: at 0x7f3a2b1c", "cell 3: /tmp/tmpab12/x"]
 
 
 @pytest.fixture
