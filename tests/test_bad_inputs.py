@@ -217,7 +217,7 @@ def pickled_target(tmp: Path):
     return load_target(tmp)
 
 
-def set_nan(name: str, value: float):
+def set_first_value(name: str, value: float):
     def edit(tensors):
         tensors[name] = tensors[name].clone()
         tensors[name].view(-1)[0] = value
@@ -284,8 +284,8 @@ CASES = [
          r"model\.safetensors .*unexpected tensors \['lm_head\.weight'\]"),
     Case("ckpt-misshaped-tensor", edited_tensors(lambda t: t.update({"norm.weight": torch.ones(31)})), CheckpointError,
          r"mis-shaped tensors \[norm\.weight: checkpoint \(31,\) vs model \(32,\)"),
-    Case("ckpt-nan-values", edited_tensors(set_nan(QKV.replace("\\", ""), float("nan"))), CheckpointError, r"model\.safetensors holds non-finite values .*" + QKV),
-    Case("ckpt-inf-values", edited_tensors(set_nan("fc.weight", float("inf"))), CheckpointError, r"non-finite values .*fc\.weight"),
+    Case("ckpt-nan-values", edited_tensors(set_first_value(QKV.replace("\\", ""), float("nan"))), CheckpointError, r"model\.safetensors holds non-finite values .*" + QKV),
+    Case("ckpt-inf-values", edited_tensors(set_first_value("fc.weight", float("inf"))), CheckpointError, r"non-finite values .*fc\.weight"),
     Case("ckpt-pickle-instead-of-safetensors", pickled_drafter, CheckpointError, r"pickled weights \['pytorch_model\.bin'\]; only safetensors"),
     Case("ckpt-missing-config", lambda tmp: (checkpoint(tmp) / "config.json").unlink() or load_drafter(tmp / "drafter"), FileNotFoundError,
          r"no config\.json in drafter checkpoint .*drafter"),
