@@ -284,7 +284,7 @@ def compare_acceptance_figure(stats_by_method: dict, *, title: str | None = None
 def _token_text(decode, token_id: int) -> str:
     import html
 
-    text = decode([token_id]) if callable(decode) else decode.decode([token_id])
+    text = decode.decode([token_id]) if hasattr(decode, "decode") else decode([token_id])
     return html.escape(text).replace("\n", "↵\n").replace("\t", "⇥") or "∅"
 
 
@@ -300,9 +300,10 @@ def acceptance_tokens_html(result, tokenizer, *, prompt_tail: int = 40) -> str:
     import html
 
     def span(tok, kind, hover):
-        style = f"color:{TOKEN_COLORS[kind]};" + ("text-decoration:line-through;opacity:0.7;" if kind == "rejected" else "")
-        if kind != "rejected":
-            style += f"border-bottom:2px solid {TOKEN_COLORS[kind]};"
+        color = TOKEN_COLORS[kind]
+        style = f"color:{color};background:{color}22;border-radius:3px;margin:0 1px;"  # 22: a light tint
+        if kind == "rejected":
+            style += "text-decoration:line-through;"
         return f'<span style="{style}" title="{html.escape(hover)}">{_token_text(tokenizer, tok)}</span>'
 
     prompt = result.output_ids[0, :result.prompt_length].tolist()[-prompt_tail:]

@@ -574,3 +574,65 @@ def test_gpu_greedy_is_lossless_in_float32_and_reports_bf16_agreement():
         if dtype == torch.float32:
             assert same == runs, f"float32 greedy speculative output differs from generate on {runs - same}/{runs} runs"
     print("\nGPU greedy agreement with target.generate:", json.dumps(report))
+
+
+# ---------------------------------------------------------------------------
+# Figures and the chapter-3 explorer draw what the counters say
+# ---------------------------------------------------------------------------
+
+
+def test_acceptance_figures_draw_the_counters():
+    from dflash_lab import viz
+
+    s = SpecDecodeStats(num_accepted_tokens_per_pos=[0] * 4)
+    for n in [0, 4, 2, 1, 4, 3, 0]:
+        s.observe_draft(4, n)
+    bars, line = viz.per_position_acceptance_figure(s).data
+    assert list(bars.x) == [1, 2, 3, 4] and list(bars.y) == s.per_position_acceptance_rate
+    assert list(line.y) == s.conditional_acceptance_rate
+    hist = viz.acceptance_length_histogram(s).data[0]
+    assert list(hist.x) == [1, 2, 3, 4, 5] and math.isclose(sum(hist.y), 1.0)
+    assert list(hist.customdata) == s.acceptance_length_counts()
+    other = SpecDecodeStats()
+    other.observe_draft(2, 1)
+    side = viz.compare_acceptance_figure({"DFlash": s, "prompt lookup": other})
+    assert [t.name for t in side.data if t.showlegend is not False] == ["DFlash (τ = 3.00)", "prompt lookup (τ = 2.00)"]
+    sweep = viz.acceptance_vs_block_size_figure({"DFlash": {8: s, 4: other}})
+    assert list(sweep.data[0].x) == [4, 8] and list(sweep.data[0].y) == [2.0, 3.0]
+    assert viz.acceptance_vs_temperature_figure({"DFlash": {0.0: s}}).layout.xaxis.title.text == "temperature"
+
+
+def test_tokens_are_coloured_by_origin(pair, monkeypatch):
+    from dflash_lab import viz
+
+    target, drafter = pair
+    prompt, block_size = PROMPTS[1], 5
+    reference = target_greedy(target, prompt, 30 + block_size)[0].tolist()
+    monkeypatch.setattr(spec_decode, "dflash_draft_logits", oracle_draft_logits(reference, target.config.vocab_size))
+    r = speculative_generate(target, drafter, prompt, max_new_tokens=30, block_size=block_size)
+    page = viz.acceptance_tokens_html(r, lambda ids: f"<{ids[0]}>")
+    accepted = sum(min(st.num_accepted, len(st.token_ids)) for st in r.steps)
+    rejected = sum(st.num_accepted < len(st.draft_ids) and len(st.token_ids) > st.num_accepted for st in r.steps)
+    assert page.count(f"background:{viz.TOKEN_COLORS['accepted']}") == accepted > 0
+    assert page.count("line-through") == rejected > 0
+    assert page.count(f"background:{viz.TOKEN_COLORS['bonus']}") == 30 - accepted
+    assert "&lt;" in page and "<4" not in page  # token text is escaped
+
+
+def test_acceptance_explorer_reruns_and_redraws(pair):
+    from dflash_lab.widgets import acceptance_explorer
+
+    target, drafter = pair
+    box = acceptance_explorer(target, drafter, {"a": PROMPTS[:2], "b": PROMPTS[2:]}, tokenizer=lambda ids: str(ids[0]),
+                              max_new_tokens=6, temperatures=(0.0, 1.0), block_size=8)
+    per_position, lengths = box.figures
+    assert len(per_position.data[0].y) == 7 and len(lengths.data[0].y) == 8
+    box.block_size.value = 3
+    assert len(per_position.data[0].y) == 2 and len(lengths.data[0].y) == 3
+    box.method.value = "prompt lookup"
+    box.prompt_set.value = "b"
+    box.temperature.value = 1.0
+    assert "prompt lookup" in box.summary.value and "temperature 1.0" in box.summary.value
+    assert set(box.results) == {("DFlash", 8, 0.0, "a"), ("DFlash", 3, 0.0, "a"), ("prompt lookup", 3, 0.0, "a"),
+                                ("prompt lookup", 3, 0.0, "b"), ("prompt lookup", 3, 1.0, "b")}
+    assert "drafted, accepted" in box.tokens.value
