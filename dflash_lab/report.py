@@ -103,13 +103,14 @@ def kernel_environment():
 def execute_notebook(
     path: Path,
     *,
+    nb: nbformat.NotebookNode | None = None,
     timeout: float | None = 1800,
     store_widget_state: bool = True,
     record_timing: bool = True,
     dump_figures: bool = False,
     position: int = 0,
 ) -> tuple[nbformat.NotebookNode, dict]:
-    """Run the notebook at `path` in a fresh kernel; return it with outputs.
+    """Run the notebook at `path` (or `nb`, read from there) in a fresh kernel; return it with outputs.
 
     Returns ``(nb, figures)``; ``figures`` maps each live FigureWidget's model
     id to its figure (only with ``dump_figures``). Raises NotebookFailed with
@@ -119,7 +120,7 @@ def execute_notebook(
     from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
     from tqdm.auto import tqdm
 
-    nb = nbformat.read(path, as_version=4)
+    nb = nbformat.read(path, as_version=4) if nb is None else nb
     if dump_figures:
         nb.cells.append(nbformat.v4.new_code_cell(FIGURE_DUMP_CELL, id="dflash-lab-figure-dump"))
     n_code = sum(c.cell_type == "code" for c in nb.cells)

@@ -347,7 +347,8 @@ KV_KIND_COLORS = {
 def _kib(n: float | None) -> str:
     if n is None:
         return "-"
-    return f"{n / 1024:,.1f} KiB" if n < 1 << 20 else f"{n / (1 << 20):,.2f} MiB"
+    text = f"{n / 1024:,.1f} KiB" if n < 1 << 20 else f"{n / (1 << 20):,.2f} MiB"
+    return text.replace(" ", "\u00a0")  # a table cell must not wrap "8.0 / KiB"
 
 
 def kv_group_layout_figure(rows, *, title: str | None = None, warning: str | None = None) -> go.Figure:
@@ -390,13 +391,16 @@ def kv_group_layout_figure(rows, *, title: str | None = None, warning: str | Non
     widest = max((len(r.layers) for r in rows), default=1)
     heading = title or "KV-cache groups"
     if warning:
-        heading += f"<br><span style='font-size:12px;color:{PALETTE['red']}'>⚠ {warning}</span>"
+        import textwrap
+
+        lines = textwrap.wrap(f"⚠ {warning}", 120)
+        heading += "".join(f"<br><span style='font-size:12px;color:{PALETTE['red']}'>{line}</span>" for line in lines)
     top = 40 + 22 * heading.count("<br>")  # room for every title line
     fig.update_layout(
         title=heading, barmode="overlay", bargap=0.25, height=110 + top + 42 * max(len(rows), 1),
         xaxis=dict(title="position in the group", range=[-0.1, widest + 0.1], dtick=1, showgrid=False),
         yaxis=dict(categoryorder="array", categoryarray=labels, autorange="reversed"),
-        legend=dict(title="spec kind", orientation="h", y=-0.25), margin=dict(l=10, r=10, t=top + 20, b=10),
+        legend=dict(title="spec kind"), margin=dict(l=10, r=10, t=top + 20, b=10),
     )
     return fig
 
@@ -406,8 +410,8 @@ def kv_group_memory_figure(memory, *, title: str | None = None) -> go.Figure:
     group's share of one pool block (used by its layers, left empty) as stacked bars."""
     from plotly.subplots import make_subplots
 
-    header = ["group", "kind", "layers", "draft", "tokens/block", "page", "group bytes/block",
-              "bytes/token", "pool bytes/block", "unused/block", "blocks", "tokens held"]
+    header = ["group", "kind", "layers", "draft", "tokens/block", "page", "bytes/block",
+              "unused of pool block", "bytes/token", "blocks", "tokens held"]
     columns = [
         [f"g{m.group}" for m in memory],
         [m.kind for m in memory],
@@ -416,21 +420,20 @@ def kv_group_memory_figure(memory, *, title: str | None = None) -> go.Figure:
         [m.block_size for m in memory],
         [_kib(m.page_size_bytes) for m in memory],
         [_kib(m.bytes_per_block) for m in memory],
-        ["state" if m.bytes_per_token is None else f"{m.bytes_per_token:,.0f} B" for m in memory],
-        [_kib(m.pool_bytes_per_block) for m in memory],
-        [_kib(m.unused_bytes_per_block) for m in memory],
+        [f"{_kib(m.unused_bytes_per_block)}\u00a0of\u00a0{_kib(m.pool_bytes_per_block)}" for m in memory],
+        ["state" if m.bytes_per_token is None else f"{m.bytes_per_token:,.0f}\u00a0B" for m in memory],
         [f"{m.num_blocks:,}" for m in memory],
-        ["one state per block" if m.tokens is None else f"{m.tokens:,}" for m in memory],
+        ["state" if m.tokens is None else f"{m.tokens:,}" for m in memory],
     ]
     fill = [[("#fbe3d6" if m.is_draft_group else "white") for m in memory]] * len(header)
-    table_height = 40 + 28 * max(len(memory), 1)
+    table_height = 60 + 26 * max(len(memory), 1)  # header (two lines) + one line per group
     bars_height = 60 + 28 * max(len(memory), 1)
     fig = make_subplots(rows=2, cols=1, specs=[[{"type": "table"}], [{"type": "xy"}]],
-                        row_heights=[table_height, bars_height], vertical_spacing=0.08)
+                        row_heights=[table_height, bars_height], vertical_spacing=0.06)
     fig.add_trace(go.Table(
-        header=dict(values=header, fill_color=PALETTE["grey"], font=dict(color="white")),
-        cells=dict(values=columns, fill_color=fill),
-        columnwidth=[1, 3, 1, 1, 1.3, 1.3, 1.5, 1.3, 1.5, 1.3, 1.2, 1.8],
+        header=dict(values=header, fill_color=PALETTE["grey"], font=dict(color="white"), height=36),
+        cells=dict(values=columns, fill_color=fill, height=24),
+        columnwidth=[0.8, 2.4, 0.9, 0.7, 1.4, 1.3, 1.3, 2.6, 1.3, 1.1, 1.9],
     ), row=1, col=1)
     groups = [f"g{m.group}" + (" ⚑" if m.is_draft_group else "") for m in memory]
     for name, values, color in [
@@ -439,11 +442,10 @@ def kv_group_memory_figure(memory, *, title: str | None = None) -> go.Figure:
     ]:
         fig.add_trace(go.Bar(orientation="h", y=groups, x=values, name=name, marker_color=color,
                              hovertemplate="%{y}: %{x:,.1f} KiB<extra>" + name + "</extra>"), row=2, col=1)
-    fig.update_xaxes(title_text="KiB of one pool block", row=2, col=1)
+    fig.update_xaxes(title_text="KiB of one pool block: used by the group (blue), left empty (grey)", row=2, col=1)
     fig.update_yaxes(autorange="reversed", row=2, col=1)
-    fig.update_layout(title=title or "Memory per KV-cache group", barmode="stack",
-                      height=90 + table_height + bars_height, margin=dict(l=10, r=10, t=50, b=10),
-                      legend=dict(orientation="h", y=-0.12))
+    fig.update_layout(title=title or "Memory per KV-cache group", barmode="stack", showlegend=False,
+                      height=90 + table_height + bars_height, margin=dict(l=10, r=10, t=50, b=10))
     return fig
 
 

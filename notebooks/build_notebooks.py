@@ -7,10 +7,21 @@ set and no outputs:
 
     python notebooks/build_notebooks.py            # all chapters
     python notebooks/build_notebooks.py 03         # chapters whose name starts with 03
+    python notebooks/build_notebooks.py --execute  # ... then run them, keeping small printouts
+
+With ``--execute`` each built notebook runs top to bottom (nbclient, cwd =
+notebooks/, offline) and keeps only what nbval should compare: stdout and
+plain-text results of a few KB. Figures, widgets, HTML, images and stderr are
+dropped, and a cell that lost any output is tagged ``nbval-ignore-output`` (its
+printouts stay for the reader, nbval no longer compares them). Cells whose
+source says ``# NBVAL_IGNORE_OUTPUT`` or ``# NBVAL_SKIP`` keep no output at all.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import re
 import sys
 from pathlib import Path
 
@@ -18,6 +29,11 @@ import nbformat
 
 HERE = Path(__file__).resolve().parent
 KERNELSPEC = {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"}
+TEXT_MIMES = {"text/plain", "text/markdown", "text/latex"}
+MAX_OUTPUT_CHARS = 4000  # one kept printout; longer ones are not "small"
+MAX_NOTEBOOK_BYTES = 200_000  # a committed notebook stays diff-sized
+# Printouts that usually differ from run to run: addresses, durations, rates, dates.
+UNSTABLE = re.compile(r"0x[0-9a-f]{6,}|\d\s?(ms|µs|us|s|sec|seconds)\b|it/s|\d{4}-\d\d-\d\d[ T]\d\d:")
 
 
 def split_cells(source: str) -> list[nbformat.NotebookNode]:
@@ -57,11 +73,80 @@ def build(src: Path) -> Path:
     return out
 
 
+def nbval_markers(cell) -> set[str]:
+    """The nbval comment markers (# NBVAL_...) in a cell's source."""
+    return {line.strip().lstrip("#").strip() for line in cell.source.splitlines() if line.strip().startswith("#")}
+
+
+def is_small_text(output) -> bool:
+    if output.output_type == "stream":
+        return output.name == "stdout" and len(output.text) <= MAX_OUTPUT_CHARS
+    if output.output_type in ("execute_result", "display_data"):
+        data = output.get("data", {})
+        return set(data) <= TEXT_MIMES and sum(len(str(v)) for v in data.values()) <= MAX_OUTPUT_CHARS
+    return output.output_type == "error"  # only in cells that are expected to raise
+
+
+def keep_small_outputs(nb, name: str) -> nbformat.NotebookNode:
+    """Strip an executed notebook down to the printouts nbval checks (see the module doc)."""
+    for i, cell in enumerate(nb.cells):
+        if cell.cell_type != "code":
+            continue
+        cell.metadata.pop("execution", None)
+        markers = nbval_markers(cell)
+        tags = set(cell.metadata.pop("tags", []))
+        if "NBVAL_RAISES_EXCEPTION" in markers:
+            tags.discard("raises-exception")  # set only for nbclient; nbval reads the comment
+        kept = [] if markers & {"NBVAL_IGNORE_OUTPUT", "NBVAL_SKIP"} else [o for o in cell.outputs if is_small_text(o)]
+        if len(kept) < len(cell.outputs) and not markers & {"NBVAL_IGNORE_OUTPUT", "NBVAL_SKIP"}:
+            tags.add("nbval-ignore-output")  # nbval would see outputs the file no longer has
+        for o in kept if "nbval-ignore-output" not in tags else []:
+            unstable = UNSTABLE.search(o.get("text") or "".join(map(str, o.get("data", {}).values())))
+            if unstable:
+                print(f"warning: {name} cell {i} prints {unstable.group(0)!r}, which may differ between "
+                      "runs; mark the cell # NBVAL_IGNORE_OUTPUT if it does", file=sys.stderr)
+                break
+        cell.outputs = kept
+        if tags:
+            cell.metadata["tags"] = sorted(tags)
+    nb.metadata.pop("widgets", None)
+    nb.metadata["language_info"] = {"name": "python"}  # not the kernel's full version string
+    return nb
+
+
+def execute(path: Path) -> None:
+    """Run a built notebook in place; keep only its small printouts."""
+    from dflash_lab.report import NotebookFailed, execute_notebook, write_atomic
+
+    nb = nbformat.read(path, as_version=4)
+    for cell in nb.cells:  # nbclient lets a cell raise only when it is tagged so
+        if cell.cell_type == "code" and "NBVAL_RAISES_EXCEPTION" in nbval_markers(cell):
+            cell.metadata.setdefault("tags", []).append("raises-exception")
+    try:
+        nb, _ = execute_notebook(path, nb=nb, store_widget_state=False, record_timing=False)
+    except NotebookFailed as exc:
+        raise SystemExit(f"FAILED {exc}") from None
+    text = nbformat.writes(keep_small_outputs(nb, path.name)) + "\n"
+    if len(text.encode()) > MAX_NOTEBOOK_BYTES:
+        sizes = sorted(((len(json.dumps(c)), i) for i, c in enumerate(nb.cells)), reverse=True)[:3]
+        raise SystemExit(f"{path.name}: {len(text.encode()) // 1000} KB with outputs, over the "
+                         f"{MAX_NOTEBOOK_BYTES // 1000} KB limit; largest cells: "
+                         + ", ".join(f"cell {i} ({n // 1000} KB)" for n, i in sizes))
+    write_atomic(path, text)
+
+
 def main(argv: list[str]) -> None:
-    prefixes = argv or [""]
+    parser = argparse.ArgumentParser(description="Build notebooks/NN_name.ipynb from notebooks/src/NN_name.py.")
+    parser.add_argument("prefixes", nargs="*", default=[""], help="build the chapters whose name starts with these")
+    parser.add_argument("--execute", action="store_true", help="run each built notebook and keep small printouts")
+    args = parser.parse_args(argv)
     for src in sorted((HERE / "src").glob("*.py")):
-        if any(src.stem.startswith(p) for p in prefixes):
-            print("built", build(src).relative_to(HERE.parent))
+        if any(src.stem.startswith(p) for p in args.prefixes or [""]):
+            out = build(src)
+            print("built", out.relative_to(HERE.parent))
+            if args.execute:
+                execute(out)
+                print(f"executed {out.relative_to(HERE.parent)} ({out.stat().st_size // 1000} KB)")
 
 
 if __name__ == "__main__":
