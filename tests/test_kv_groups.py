@@ -410,11 +410,12 @@ def test_layout_figure_outlines_marked_draft_layers():
     assert {text for text, w in widths.items() if w > 1} == {"L6", "L7", "L8"}
 
 
-def test_memory_table_lists_every_group():
-    groups = kv.kv_cache_groups(kv.qwen3_5_hybrid_specs(), method="mtp", model_type="qwen3_5")
-    table = viz.kv_group_memory_table(kv.group_memory(groups)).data[0]
-    assert list(table.cells.values[0]) == ["g0", "g1", "g2"]
-    assert list(table.cells.values[3]) == ["", "", "⚑"]
+def test_memory_figure_lists_every_group_and_its_unused_share_of_a_block():
+    groups = kv.kv_cache_groups(kv.laguna_dflash_specs(), method="dflash", model_type="laguna")
+    table, used, unused = viz.kv_group_memory_figure(kv.group_memory(groups)).data
+    assert list(table.cells.values[0]) == ["g0", "g1"]
+    assert list(table.cells.values[3]) == ["", "⚑"]
+    assert list(used.x) == [32.0, 40.0] and list(unused.x) == [8.0, 0.0]  # KiB of a 40 KiB pool block
 
 
 def test_format_groups_marks_the_draft_group_and_the_marked_layers():
@@ -435,9 +436,14 @@ def test_explorer_redraws_for_every_control():
         assert method.value == kv.PRESETS[name]["method"]
         for value in ("BLHNC", "LBHNC"):
             layout.value = value
-    hybrid_off.value = True  # vLLM 0.33 cannot do this for the DeepSeek shape: shown, not raised
+    layout_fig, memory_fig = box.children[2:]
+    hybrid_off.value = True  # vLLM 0.33 cannot do this for the DeepSeek shape: said, not raised
+    assert "cannot disable the hybrid manager" in layout_fig.layout.title.text and layout_fig.data
     preset.value = "laguna_dflash"
+    assert len(set(y for t in layout_fig.data for y in t.y)) == 1  # one group with the manager off
     sliding.value = True
+    assert "drafter layers: sliding attention" in layout_fig.layout.title.text
+    assert len(memory_fig.data) == 3
 
 
 # ---------------------------------------------------------------------------

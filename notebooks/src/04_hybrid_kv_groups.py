@@ -24,9 +24,10 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # the grouping is host-side bookkeeping
-# vLLM's own notes (padding layers, platform hints) would land in the printouts; the
-# memory tables below show the same facts.
-logging.getLogger("vllm").setLevel(logging.ERROR)
+# vLLM's and torch's own notes (padding layers, platform hints, deprecations) would
+# land in the printouts; the memory tables below show the facts that matter here.
+for noisy in ("vllm", "torch"):
+    logging.getLogger(noisy).setLevel(logging.ERROR)
 
 from pathlib import Path
 
@@ -106,7 +107,7 @@ for m in kv.group_memory(laguna_groups, kv_budget_bytes=1 << 30):
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-viz.kv_group_memory_table(kv.group_memory(laguna_groups), title="Laguna + DFlash · memory per group for 1 GiB").show()
+viz.kv_group_memory_figure(kv.group_memory(laguna_groups), title="Laguna + DFlash · memory per group for 1 GiB").show()
 
 # %% [markdown]
 # **General and packed layouts.** The layout says how pages sit in memory. `LBHNC`
@@ -162,7 +163,7 @@ qwen_groups, _ = group(qwen, "mtp", "qwen3_5")
 # %%
 # NBVAL_IGNORE_OUTPUT
 draw(qwen_groups, qwen, "Qwen3.5 hybrid + MTP · general layout (LBHNC)").show()
-viz.kv_group_memory_table(kv.group_memory(qwen_groups), title="Qwen3.5 hybrid + MTP · memory per group for 1 GiB").show()
+viz.kv_group_memory_figure(kv.group_memory(qwen_groups), title="Qwen3.5 hybrid + MTP · memory per group for 1 GiB").show()
 
 # %% [markdown]
 # ### DeepSeek-V4-shaped + MTP
@@ -189,7 +190,7 @@ dsv4_packed, _ = group(dsv4, "mtp", "deepseek_v4", layout="BLHNC")
 # NBVAL_IGNORE_OUTPUT
 draw(dsv4_general, dsv4, "DeepSeek-V4-shaped + MTP · general layout (LBHNC)").show()
 draw(dsv4_packed, dsv4, "DeepSeek-V4-shaped + MTP · packed layout (BLHNC)").show()
-viz.kv_group_memory_table(kv.group_memory(dsv4_packed, layout="BLHNC"), title="DeepSeek-V4-shaped · packed · memory per group").show()
+viz.kv_group_memory_figure(kv.group_memory(dsv4_packed, layout="BLHNC"), title="DeepSeek-V4-shaped · packed · memory per group").show()
 
 # %% [markdown]
 # ## 2 · The rules that flag the drafter's group (upstream vLLM #55390)
@@ -376,7 +377,7 @@ for layout in ("LBHNC", "BLHNC"):
 # %%
 # NBVAL_IGNORE_OUTPUT
 draw(mine_groups, mine, "Your config · packed layout (BLHNC)").show()
-viz.kv_group_memory_table(kv.group_memory(mine_groups, layout="BLHNC"), title="Your config · memory per group for 1 GiB").show()
+viz.kv_group_memory_figure(kv.group_memory(mine_groups, layout="BLHNC"), title="Your config · memory per group for 1 GiB").show()
 
 # %% [markdown]
 # ## Closing note: Laguna + DFlash in vLLM 0.33
