@@ -172,8 +172,8 @@ if triton is not None:
                 x2 += tl.load(bias + HALF + c1, mask=m1, other=0.0).to(tl.float32)
                 x3 += tl.load(bias + ROT + c3, mask=m3, other=0.0).to(tl.float32)
             tl.store(v_ptr + dst + cd, _rounded(v, dt, EMULATE_BF16).to(dt), mask=md)
-            # K as projected is in the input dtype, as in the reference
-            x1, x2, x3 = _rounded(x1, dt, EMULATE_BF16), _rounded(x2, dt, EMULATE_BF16), _rounded(x3, dt, EMULATE_BF16)
+            # (K stays in float32 here: rounding the scaled GEMM output again would add a
+            # second rounding that the reference, which normalises before its GEMM, does not have.)
 
             # --- K RMSNorm (Laguna: normalise in float32, cast, then scale by the weight)
             ss = tl.sum(x1 * x1, axis=2) + tl.sum(x2 * x2, axis=2) + tl.sum(x3 * x3, axis=2)  # (BN, BH)

@@ -7,6 +7,7 @@ with TRITON_INTERPRET=1) and, on a GPU, compiled (tests marked ``gpu``).
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
@@ -21,6 +22,18 @@ from dflash_lab import kernels
 from test_drafter import LAYER_FLAVOURS, context, kv_errors
 
 has_triton = pytest.mark.skipif(kernels.triton is None, reason="needs Triton")
+
+
+def bf16_tolerance(scale: float) -> float:
+    """Largest allowed bf16 difference to the reference: 6e-2, or two bf16 steps at the largest value.
+
+    The fused path normalises the context after its GEMM, so its bf16 roundings
+    are independent of the reference's; two such chains can land two steps
+    apart where |K| >= 4 (a step of 2**-5 there).
+    """
+    import math
+
+    return max(6e-2, 2 * 2.0 ** (math.floor(math.log2(max(scale, 1e-30))) - 7))
 
 
 @pytest.fixture(autouse=True)
@@ -104,7 +117,10 @@ INTERPRETER_SCRIPT = textwrap.dedent("""
                 ref = drafter.precompute_context_kv(states, positions, path="reference")
                 out = drafter.precompute_context_kv(states, positions, path="folded", fused=True)
             errs = [(a.float() - b.float()).abs() for a, b in zip(out, ref)]
-            results.append(dict(layer_type=layer_type, dtype=str(dtype), bias=bias,
+            truth = randomize_drafter(DFlashLagunaDrafter(cfg), seed=layers).to(dtype).float().precompute_context_kv(
+                states.float(), positions, path="reference")
+            err_truth = [[(a.float() - t).abs().mean().item() for a, t in zip(o, truth)] for o in (out, ref)]
+            results.append(dict(layer_type=layer_type, dtype=str(dtype), bias=bias, mean_vs_truth=err_truth,
                                 shapes_ok=all(a.shape == b.shape and a.dtype == b.dtype for a, b in zip(out, ref)),
                                 scale=max(r.abs().max().item() for r in ref),
                                 max=[e.max().item() for e in errs], mean=[e.mean().item() for e in errs]))
@@ -128,10 +144,32 @@ def test_kernel_matches_the_reference_in_the_triton_interpreter(tmp_path):
         if "float32" in r["dtype"]:
             assert max(r["max"]) <= 1e-5 * r["scale"], r
         else:
-            assert max(r["max"]) <= 6e-2 and max(r["mean"]) <= 5e-3, r
+            assert max(r["max"]) <= bf16_tolerance(r["scale"]) and max(r["mean"]) <= 5e-3, r
+            fused, reference = r["mean_vs_truth"]  # as accurate as the reference, against float32
+            assert all(f <= 1.25 * g + 1e-4 for f, g in zip(fused, reference)), r
 
 
 # --- the kernel on a GPU ------------------------------------------------------------------
+
+
+def assert_matches_reference(drafter, states, positions):
+    """fused folded == reference: fp32 to 1e-5 of the scale; bf16 within the bf16 tolerances,
+    and as accurate as the bf16 reference itself against a float32 computation."""
+    ref = drafter.precompute_context_kv(states, positions, path="reference")
+    out = drafter.precompute_context_kv(states, positions, path="folded", fused=True)
+    assert all(o.is_cuda and o.dtype == r.dtype and o.shape == r.shape and o.is_contiguous() for o, r in zip(out, ref))
+    assert all(torch.isfinite(o).all() for o in out)
+    errs = kv_errors(out, ref)
+    scale = max(r.abs().max().item() for r in ref)
+    if states.dtype == torch.float32:
+        assert max(e.max().item() for e in errs) <= 1e-5 * scale, [e.max().item() for e in errs]
+        return
+    for name, e in zip("KV", errs):
+        assert e.max() <= bf16_tolerance(scale) and e.mean() <= 5e-3, (name, e.max().item(), e.mean().item())
+    truth = copy.deepcopy(drafter).float().precompute_context_kv(states.float(), positions, path="reference")
+    for name, o, r, t in zip("KV", out, ref, truth):
+        fused, reference = (o.float() - t).abs().mean().item(), (r.float() - t).abs().mean().item()
+        assert fused <= 1.25 * reference + 1e-4, (name, fused, reference)
 
 
 def _gpu_case(make_drafter, layers, layer_type, n, dtype, *, seed=0, hidden=64, **overrides):
@@ -151,17 +189,7 @@ def _gpu_case(make_drafter, layers, layer_type, n, dtype, *, seed=0, hidden=64, 
 def test_triton_kernel_matches_the_reference_on_cuda(make_drafter, layer_type, rotary_factor, layers, n, dtype):
     drafter, states, positions = _gpu_case(make_drafter, layers, layer_type, n, dtype, seed=layers)
     assert kernels.fused_available(states)  # the default on CUDA
-    ref = drafter.precompute_context_kv(states, positions, path="reference")
-    out = drafter.precompute_context_kv(states, positions, path="folded", fused=True)
-    assert all(o.is_cuda and o.dtype == dtype and o.shape == r.shape and o.is_contiguous() for o, r in zip(out, ref))
-    errs = kv_errors(out, ref)
-    assert all(torch.isfinite(o).all() for o in out)
-    if dtype == torch.float32:
-        scale = max(r.abs().max().item() for r in ref)
-        assert max(e.max().item() for e in errs) <= 1e-5 * scale, [e.max().item() for e in errs]
-    else:
-        for name, e in zip("KV", errs):
-            assert e.max() <= 6e-2 and e.mean() <= 5e-3, (name, e.max().item(), e.mean().item())
+    assert_matches_reference(drafter, states, positions)
 
 
 @pytest.mark.gpu
@@ -173,14 +201,11 @@ def test_triton_kernel_at_laguna_xs2_shapes(make_drafter, dtype):
                   intermediate_size=256, attention_bias=True)
     drafter, states, positions = _gpu_case(make_drafter, 3, "full_attention", 777, dtype, seed=3, hidden=2048,
                                            **shapes)
-    ref = drafter.precompute_context_kv(states, positions, path="reference")
-    out = drafter.precompute_context_kv(states, positions, path="folded", fused=True)
-    errs = kv_errors(out, ref)
-    if dtype == torch.float32:
-        scale = max(r.abs().max().item() for r in ref)
-        assert max(e.max().item() for e in errs) <= 1e-5 * scale
-    else:
-        assert all(e.max() <= 6e-2 and e.mean() <= 5e-3 for e in errs), [(e.max().item(), e.mean().item()) for e in errs]
+    with torch.no_grad():  # K/V of about unit scale at this width, as the bf16 tolerances assume
+        for layer in drafter.layers:
+            layer.self_attn.qkv_proj.weight.mul_(0.2)
+            layer.self_attn.qkv_proj.bias.sub_(1).mul_(0.5)
+    assert_matches_reference(drafter, states, positions)
     # The epilogue alone reads any row stride: a GEMM output padded to a wider buffer.
     cfg, L = drafter.config, len(drafter.layers)
     width = L * 2 * cfg.num_key_value_heads * cfg.head_dim
