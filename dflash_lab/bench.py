@@ -142,8 +142,12 @@ def _errors(out, ref) -> dict:
     return {"max": max(e.max().item() for e in errs), "mean": max(e.mean().item() for e in errs)}
 
 
-def run_context_kv(*, layers, contexts, device, dtype, compiled: bool, fused: bool, progress=print, **shape) -> tuple[list, list]:
-    """Time every path at every (layers, context); return (records, diagnostics)."""
+def run_context_kv(*, layers, contexts, device, dtype, compiled: bool, fused: bool, progress=print,
+                   checkpoint=None, **shape) -> tuple[list, list]:
+    """Time every path at every (layers, context); return (records, diagnostics).
+
+    checkpoint(records, diagnostics), if given, runs after each drafter depth (partial results survive a timeout).
+    """
     name = device_name(device)
     records, diagnostics = [], []
     for L in layers:
@@ -167,7 +171,7 @@ def run_context_kv(*, layers, contexts, device, dtype, compiled: bool, fused: bo
                     if path == "batched_compiled":
                         diag["compile_s"] = round(time.perf_counter() - t0, 1)
                     del out
-                    ms = time_ms(lambda: fn(x, pos), device)
+                    ms = time_ms(lambda: fn(x, pos), device, budget_s=0.3)
                     records.append({"path": path, "layers": L, "context": N, "ms": round(ms, 4), "device": name})
                     progress(f"  L={L} N={N:>6} {path:17s} {ms:9.3f} ms")
                 if fused:  # the epilogue alone: how close to the memory system is it?
@@ -184,6 +188,8 @@ def run_context_kv(*, layers, contexts, device, dtype, compiled: bool, fused: bo
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         del drafter, paths
+        if checkpoint is not None:
+            checkpoint(records, diagnostics)
     return records, diagnostics
 
 
@@ -262,14 +268,16 @@ def context_kv(args) -> int:
     compiled = not args.no_compile and (device.type == "cuda" or not quick)
     print(f"context-kv on {device_name(device)}: L={layers} N={contexts} {args.dtype}; "
           f"folded_triton {'on' if fused else 'off (no CUDA/Triton)'}; torch.compile {'on' if compiled else 'off'}", flush=True)
-    records, diagnostics = run_context_kv(layers=layers, contexts=contexts, device=device, dtype=dtype,
-                                          compiled=compiled, fused=fused, progress=lambda s: print(s, flush=True), **shape)
+    stem = "context_kv_quick" if quick else "context_kv"
+    records, diagnostics = run_context_kv(
+        layers=layers, contexts=contexts, device=device, dtype=dtype, compiled=compiled, fused=fused,
+        progress=lambda s: print(s, flush=True), checkpoint=lambda r, d: _write(Path(args.out), stem + "_partial", r), **shape)
     command = "python -m dflash_lab.bench context-kv" + (" --quick" if quick else "")
     note = "drafter hidden {hidden_size}, {num_key_value_heads} KV heads x head_dim {head_dim}".format(**{**XS2, **shape})
     md = context_kv_markdown(records, diagnostics, dtype=args.dtype, command=command,
                              shapes_note=note + ("" if quick else " (Laguna-XS.2 shapes)"))
-    stem = "context_kv_quick" if quick else "context_kv"
     paths = _write(Path(args.out), stem, records, md)
+    (Path(args.out) / f"{stem}_partial.json").unlink(missing_ok=True)
     paths += _write(Path(args.out), stem + "_diagnostics", diagnostics)
     print(md)
     print("wrote", *paths)
