@@ -399,7 +399,7 @@ def qwen3_5_hybrid_specs(
     block_size: int = 16,
     align_pages: bool = True,
 ) -> dict[str, Any]:
-    """A Qwen3.5-shaped hybrid: ``num_blocks`` x [GDN, GDN, GDN, full attention], then an MTP layer.
+    """A Qwen3.5-shaped hybrid: ``num_blocks`` x [GDN, GDN, GDN, full attention] (+ an MTP layer).
 
     GDN layers are ``model.layers.{i}.linear_attn`` (``MambaSpec``, fixed-size state), full
     attention layers ``model.layers.{i}.self_attn.attn``, and the MTP drafter
@@ -419,7 +419,7 @@ def qwen3_5_hybrid_specs(
                                      head_size=_positive_int(head_dim, "head_dim", "arguments"), dtype=dtype)
     if align_pages:
         per_block = attn.page_size_bytes  # bytes of one block_size-token attention page
-        attn_block = block_size * -(-mamba.page_size_bytes // per_block)
+        attn_block = block_size * -(-mamba.page_size_bytes // per_block)  # ceil: a page holds a whole state
         attn = attn.copy_with_new_block_size(attn_block)
         mamba = v.iface.MambaSpec(block_size=attn_block, shapes=shapes, dtypes=dtypes, mamba_type=v.GDN,
                                   mamba_cache_mode="align", page_size_padded=attn.page_size_bytes)
@@ -455,11 +455,13 @@ def deepseek_v4_specs(
     target's decoder layer: same specs, no draft marker, registered last.
     """
     v = _vllm()
-    common = dict(block_size=_positive_int(block_size, "block_size", "arguments"), num_kv_heads=1,
+    if _positive_int(block_size, "block_size", "arguments") % _positive_int(compress_ratio, "compress_ratio", "arguments"):
+        raise ValueError(f"compress_ratio {compress_ratio} must divide block_size {block_size}: a block holds whole states")
+    common = dict(block_size=block_size, num_kv_heads=1,
                   head_size=_positive_int(head_dim, "head_dim", "arguments"), dtype=_torch_dtype(dtype),
                   max_tp_shards=1, model_version=model_version)
     swa = v.iface.SlidingWindowMLASpec(**common, sliding_window=_positive_int(sliding_window, "sliding_window", "arguments"))
-    compressed = v.iface.MLAAttentionSpec(**common, tokens_per_state=_positive_int(compress_ratio, "compress_ratio", "arguments"))
+    compressed = v.iface.MLAAttentionSpec(**common, tokens_per_state=compress_ratio)
     specs = {}
     n = _positive_int(num_target_layers, "num_target_layers", "arguments") + int(with_draft_layer)
     for i in range(n):
@@ -591,6 +593,7 @@ def annotate_draft_groups(
 
 
 def group_holds_mamba(group) -> bool:
+    """Whether any layer of the group keeps Mamba/GDN state."""
     return any(isinstance(spec, _vllm().iface.MambaSpec) for spec in _layer_specs(group).values())
 
 

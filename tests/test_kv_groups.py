@@ -508,6 +508,11 @@ def test_bad_target_config_values_name_their_key(edit, error, message):
     assert message in str(info.value)
 
 
+def test_deepseek_v4_compress_ratio_must_divide_the_block():
+    with pytest.raises(ValueError, match="compress_ratio 128 must divide block_size 64"):
+        kv.deepseek_v4_specs(compress_ratio=128)
+
+
 def test_unknown_dtype_and_preset_are_rejected():
     with pytest.raises(ValueError, match="dtype 'bf17'"):
         kv.laguna_target_specs(kv.EXAMPLE_LAGUNA_CONFIG, dtype="bf17")

@@ -45,10 +45,10 @@ print("vLLM", kv.vllm_version())
 
 
 # %% [markdown]
-# Two small helpers keep the cells short. `group` runs vLLM's grouping plus the rules
-# and prints one line per group (`*` marks a layer whose spec carries the draft marker,
-# `<- draft group` a flagged group). `draw` turns the same groups into a figure: one
-# row per group, one cell per layer, coloured by spec kind.
+# Small helpers keep the cells short. `group` runs vLLM's grouping plus the rules and
+# prints one line per group (`*` marks a layer whose spec carries the draft marker,
+# `<- draft group` a flagged group); `group_both` does it on both layouts. `draw` turns
+# groups into a figure: one row per group, one cell per layer, coloured by spec kind.
 
 # %%
 def group(specs, method, model_type, layout="LBHNC", **kwargs):
@@ -58,6 +58,15 @@ def group(specs, method, model_type, layout="LBHNC", **kwargs):
     for message in warned:
         print("WARNING:", message)
     return groups, (warned[0] if warned else None)
+
+
+def group_both(specs, method, model_type):
+    """`group` on the general and the packed layout; the groups of each, by layout."""
+    found = {}
+    for layout in ("LBHNC", "BLHNC"):
+        print(f"{layout} ({kv.LAYOUTS[layout]})")
+        found[layout], _ = group(specs, method, model_type, layout=layout)
+    return found
 
 
 def draw(groups, specs, title, warning=None):
@@ -130,15 +139,12 @@ _ = group(laguna, "dflash", "laguna", layout="BLHNC")
 # %%
 wide_drafter = dict(kv.example_dflash_drafter_config(kv.EXAMPLE_LAGUNA_CONFIG), num_key_value_heads=4)
 laguna_wide = kv.laguna_dflash_specs(drafter_config=wide_drafter)
-print("general (LBHNC)")
-wide_general, _ = group(laguna_wide, "dflash", "laguna", layout="LBHNC")
-print("packed (BLHNC)")
-wide_packed, _ = group(laguna_wide, "dflash", "laguna", layout="BLHNC")
+wide = group_both(laguna_wide, "dflash", "laguna")
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-draw(wide_general, laguna_wide, "Drafter with 4 KV heads · general layout (LBHNC)").show()
-draw(wide_packed, laguna_wide, "Drafter with 4 KV heads · packed layout (BLHNC)").show()
+draw(wide["LBHNC"], laguna_wide, "Drafter with 4 KV heads · general layout (LBHNC)").show()
+draw(wide["BLHNC"], laguna_wide, "Drafter with 4 KV heads · packed layout (BLHNC)").show()
 
 # %% [markdown]
 # ### Qwen3.5-shaped hybrid + MTP
@@ -181,16 +187,14 @@ viz.kv_group_memory_figure(kv.group_memory(qwen_groups), title="Qwen3.5 hybrid +
 
 # %%
 dsv4 = kv.deepseek_v4_specs()
-print("general (LBHNC)")
-dsv4_general, _ = group(dsv4, "mtp", "deepseek_v4", layout="LBHNC")
-print("packed (BLHNC)")
-dsv4_packed, _ = group(dsv4, "mtp", "deepseek_v4", layout="BLHNC")
+dsv4_groups = group_both(dsv4, "mtp", "deepseek_v4")
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-draw(dsv4_general, dsv4, "DeepSeek-V4-shaped + MTP · general layout (LBHNC)").show()
-draw(dsv4_packed, dsv4, "DeepSeek-V4-shaped + MTP · packed layout (BLHNC)").show()
-viz.kv_group_memory_figure(kv.group_memory(dsv4_packed, layout="BLHNC"), title="DeepSeek-V4-shaped · packed · memory per group").show()
+draw(dsv4_groups["LBHNC"], dsv4, "DeepSeek-V4-shaped + MTP · general layout (LBHNC)").show()
+draw(dsv4_groups["BLHNC"], dsv4, "DeepSeek-V4-shaped + MTP · packed layout (BLHNC)").show()
+viz.kv_group_memory_figure(kv.group_memory(dsv4_groups["BLHNC"], layout="BLHNC"),
+                           title="DeepSeek-V4-shaped · packed · memory per group").show()
 
 # %% [markdown]
 # ## 2 · The rules that flag the drafter's group (upstream vLLM #55390)
@@ -263,9 +267,7 @@ draw(case2, dsv4, "Case 2 · mtp with model_type=glm4_moe: found by position").s
 # no GDN group is flagged, on both layouts:
 
 # %%
-for layout in ("LBHNC", "BLHNC"):
-    print(layout)
-    _ = group(qwen, "mtp", "qwen3_5", layout=layout)
+_ = group_both(qwen, "mtp", "qwen3_5")
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -370,14 +372,13 @@ target_config = kv.load_config(TARGET_CONFIG) if TARGET_CONFIG else kv.EXAMPLE_L
 drafter_config = kv.load_config(DRAFTER_CONFIG) if DRAFTER_CONFIG else None
 print("target:", TARGET_CONFIG or "built-in Laguna-shaped example", "| drafter:", DRAFTER_CONFIG or "3-layer default")
 mine = kv.laguna_dflash_specs(target_config, drafter_config)
-for layout in ("LBHNC", "BLHNC"):
-    print(layout)
-    mine_groups, _ = group(mine, "dflash", "laguna", layout=layout)
+mine_groups = group_both(mine, "dflash", "laguna")
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-draw(mine_groups, mine, "Your config · packed layout (BLHNC)").show()
-viz.kv_group_memory_figure(kv.group_memory(mine_groups, layout="BLHNC"), title="Your config · memory per group for 1 GiB").show()
+draw(mine_groups["BLHNC"], mine, "Your config · packed layout (BLHNC)").show()
+viz.kv_group_memory_figure(kv.group_memory(mine_groups["BLHNC"], layout="BLHNC"),
+                           title="Your config · memory per group for 1 GiB").show()
 
 # %% [markdown]
 # ## Closing note: Laguna + DFlash in vLLM 0.33
