@@ -138,9 +138,12 @@ print("same tokens as target.generate:", torch.equal(plain, one.output_ids))
 # All 8 prompts, merged into one set of counters.
 
 # %%
+# NBVAL_IGNORE_OUTPUT
 dflash = {}  # block size -> SpecDecodeStats
 dflash[16], dflash_runs = generate_on_prompts(target, drafter, prompts, max_new_tokens=MAX_NEW, block_size=16,
                                               desc="DFlash, block 16")
+
+# %%
 print(rounded(dflash[16].summary(), 3))
 
 # %% [markdown]
@@ -181,9 +184,12 @@ HTML(viz.acceptance_tokens_html(dflash_runs[0], tokenizer, prompt_tail=24))
 # decodes one token, so compare *target forwards per token* too.
 
 # %%
+# NBVAL_IGNORE_OUTPUT
 lookup = {}
 lookup[16], lookup_runs = generate_on_prompts(target, "ngram", prompts, max_new_tokens=MAX_NEW, block_size=16,
                                               desc="prompt lookup, block 16")
+
+# %%
 for name, stats in {"DFlash": dflash[16], "prompt lookup": lookup[16]}.items():
     print(f"{name:14s} drafts {stats.num_drafts:3d}  tau {stats.mean_acceptance_length:.3f}  "
           f"target forwards per token {stats.target_forwards_per_token:.3f}")
@@ -199,11 +205,14 @@ viz.compare_acceptance_figure({"DFlash": dflash[16], "prompt lookup": lookup[16]
 # harder to get right. vLLM calls `B − 1` `num_speculative_tokens`.
 
 # %%
+# NBVAL_IGNORE_OUTPUT
 for block in tqdm([4, 8], desc="block sizes"):
     dflash[block], _ = generate_on_prompts(target, drafter, prompts, max_new_tokens=MAX_NEW, block_size=block,
                                            progress=False)
     lookup[block], _ = generate_on_prompts(target, "ngram", prompts, max_new_tokens=MAX_NEW, block_size=block,
                                            progress=False)
+
+# %%
 for name, by_block in {"DFlash": dflash, "prompt lookup": lookup}.items():
     for block in sorted(by_block):
         s = by_block[block]
@@ -222,12 +231,15 @@ viz.acceptance_vs_block_size_figure({"DFlash": dflash, "prompt lookup": lookup})
 # acceptance usually falls. Runs are seeded, so the numbers repeat.
 
 # %%
+# NBVAL_IGNORE_OUTPUT
 dflash_t, lookup_t = {0.0: dflash[8]}, {0.0: lookup[8]}
 for temperature in tqdm([0.5, 1.0], desc="temperatures"):
     dflash_t[temperature], _ = generate_on_prompts(target, drafter, prompts, max_new_tokens=MAX_NEW, block_size=8,
                                                    temperature=temperature, seed=0, progress=False)
     lookup_t[temperature], _ = generate_on_prompts(target, "ngram", prompts, max_new_tokens=MAX_NEW, block_size=8,
                                                    temperature=temperature, seed=0, progress=False)
+
+# %%
 print("block 8, tau by temperature:")
 print("  DFlash       ", rounded({t: s.mean_acceptance_length for t, s in dflash_t.items()}, 3))
 print("  prompt lookup", rounded({t: s.mean_acceptance_length for t, s in lookup_t.items()}, 3))
