@@ -96,9 +96,6 @@ class LabServer:
         for session in self.api("GET", "/api/sessions") or []:
             self.api("DELETE", f"/api/sessions/{session['id']}")
 
-    def log_text(self) -> str:
-        return self.log.read_text(errors="replace")
-
 
 def _make_root(root: Path, source: Path) -> None:
     shutil.copytree(

@@ -20,6 +20,7 @@ test-output/screenshots/.
 from __future__ import annotations
 
 import ast
+import contextlib
 import json
 import os
 import re
@@ -96,6 +97,10 @@ JS_OUTPUTS = "(path) => {" + PANEL + """
                      model_id: view ? view.model_id : null, plots: 0, bad: null,
                      text: node.innerText.slice(0, 300)};
       for (const b of BAD) if (node.innerText.includes(b)) entry.bad = b;
+      // a traceback shown inside an Output widget (a callback that raised under `with out:`)
+      node.querySelectorAll('.widget-output [data-mime-type="application/vnd.jupyter.stderr"]').forEach(el => {
+        if (/Traceback|\\w+Error\\b/.test(el.innerText)) entry.bad = 'traceback: ' + el.innerText.slice(-300);
+      });
       node.querySelectorAll('.js-plotly-plot').forEach(gd => {
         let drawn = 0;
         gd.querySelectorAll(TRACES).forEach(el => {
@@ -130,6 +135,23 @@ JS_SNAPSHOT = "(path) => {" + PANEL + """
       .map(el => hash(el.innerText));
   const kernel = panel.sessionContext.session && panel.sessionContext.session.kernel;
   return {figures, texts, kernel: kernel ? kernel.status : 'none'};
+}"""
+
+# Record what the kernel says on stderr (or as an error) while it handles a
+# widget's message: a callback that raises prints its traceback there, and
+# JupyterLab would only show it in the log console.
+JS_LISTEN = "(path) => {" + PANEL + """
+  const kernel = panel.sessionContext.session.kernel;
+  if (window.__dflashKernelSaid === undefined) {
+    window.__dflashKernelSaid = [];
+    kernel.iopubMessage.connect((_, msg) => {
+      if ((msg.parent_header || {}).msg_type !== 'comm_msg') return;
+      const type = msg.header.msg_type;
+      if (type === 'error') window.__dflashKernelSaid.push((msg.content.traceback || []).join('\\n'));
+      else if (type === 'stream' && msg.content.name === 'stderr') window.__dflashKernelSaid.push(msg.content.text);
+    });
+  }
+  return window.__dflashKernelSaid.length;
 }"""
 
 # The controls a person can flip, in page order; each gets a data-flip index
@@ -170,20 +192,27 @@ JS_CONTROLS = "(path) => {" + PANEL + """
 
 @dataclass
 class Flip:
+    """One control flipped, and what it changed on the page."""
+
     kind: str
     label: str
     figures_changed: int = 0
     text_changed: bool = False
     seconds: float = 0.0
+    tracebacks: list = field(default_factory=list)  # raised in the kernel by the control's callback
 
     @property
     def changed(self) -> bool:
         return self.figures_changed > 0 or self.text_changed
 
+    def __str__(self) -> str:
+        return (f"{self.kind} {self.label!r}: {self.figures_changed} figure(s) changed, "
+                f"text changed: {self.text_changed}, {self.seconds:.1f}s")
+
 
 @dataclass
 class Notebook:
-    """One notebook open in the page, with the checks as methods."""
+    """One notebook open in the page: drive it, and read what it shows."""
 
     page: object
     path: str  # relative to the server root
@@ -199,11 +228,11 @@ class Notebook:
         while time.monotonic() < deadline:
             state = self.state()
             if state["phase"] == "dialog":
-                pytest.fail(f"{self.path}: JupyterLab opened a dialog: {state['text']!r}")
+                pytest.fail(f"{self.path}: JupyterLab opened a dialog: {state['text']!r}", pytrace=False)
             if state["phase"] == "open" and state["kernel"] == "idle":
                 return
             time.sleep(0.5)
-        pytest.fail(f"{self.path}: notebook and kernel not ready after {timeout:.0f}s: {state}")
+        pytest.fail(f"{self.path}: notebook and kernel not ready after {timeout:.0f}s: {state}", pytrace=False)
 
     def run_all(self) -> dict:
         """Run > Run All Cells, through the menu; wait until the kernel is done."""
@@ -215,7 +244,7 @@ class Notebook:
         while time.monotonic() - start < RUN_ALL_TIMEOUT:
             state = self.state()
             if state["phase"] == "dialog":
-                pytest.fail(f"{self.path}: JupyterLab opened a dialog: {state['text']!r}")
+                pytest.fail(f"{self.path}: JupyterLab opened a dialog: {state['text']!r}", pytrace=False)
             started = state["done"] > 0 or state["errors"]
             if started and state["running"] == 0 and state["kernel"] == "idle":
                 quiet_since = quiet_since or time.monotonic()
@@ -227,7 +256,8 @@ class Notebook:
         else:
             pytest.fail(
                 f"{self.path}: Run All did not finish within {RUN_ALL_TIMEOUT:.0f}s; "
-                f"still running cell {state.get('current')}: {state}"
+                f"still running cell {state.get('current')}: {state}",
+                pytrace=False,
             )
         self.timings["run_all"] = time.monotonic() - start
         return state
@@ -237,6 +267,9 @@ class Notebook:
 
     def snapshot(self) -> dict:
         return self.page.evaluate(JS_SNAPSHOT, self.path)
+
+    def controls(self) -> list[dict]:
+        return self.page.evaluate(JS_CONTROLS, self.path)
 
     def kernel_eval(self, code: str, expression: str) -> object:
         """Run `code` silently in the notebook's kernel and return `expression` (JSON)."""
@@ -272,7 +305,7 @@ class Notebook:
 
 # The kernel side of the figure count: how many FigureWidgets (and plotly
 # figures captured by Output widgets) each displayed widget holds.
-CENSUS_CODE = '''
+CENSUS_CODE = """
 def __dflash_lab_figure_census(model_ids):
     from ipywidgets.widgets.widget import _instances
     try:
@@ -290,25 +323,11 @@ def __dflash_lab_figure_census(model_ids):
             n += count(child, seen)
         return int(n)
     return {m: count(_instances.get(m), set()) for m in model_ids}
-'''
+"""
 
 
-def new_tracebacks(log_text: str, since: int) -> list[str]:
-    """Tracebacks the kernel wrote to the server log after offset `since` (widget callbacks)."""
-    found, current = [], None
-    for line in ANSI.sub("", log_text[since:]).splitlines():
-        if line.startswith("Traceback (most recent call last)"):
-            current = [line]
-        elif current is not None:
-            current.append(line)
-            if line and not line[0].isspace():  # the exception line ends it
-                found.append("\n".join(current))
-                current = None
-    return found
-
-
-def check_rendered(nb: Notebook) -> tuple[list[str], dict]:
-    """Problems with the figures and widget views now on the page ([] when all is well)."""
+def render_problems(nb: Notebook) -> tuple[list[str], dict]:
+    """What is wrong with the figures and widget views now on the page ([] when all is well)."""
     found = nb.outputs()
     problems = []
     for plot in found["plots"]:
@@ -331,22 +350,21 @@ def check_rendered(nb: Notebook) -> tuple[list[str], dict]:
     return problems, found
 
 
-def wait_rendered(nb: Notebook) -> dict:
-    deadline = time.monotonic() + RENDER_TIMEOUT
+def wait_rendered(nb: Notebook, timeout: float = RENDER_TIMEOUT) -> tuple[list[str], dict]:
+    """Poll until everything is drawn; after `timeout`, return what still is not."""
+    deadline = time.monotonic() + timeout
     while True:
-        problems, found = check_rendered(nb)
-        if not problems:
-            return found
-        if time.monotonic() > deadline:
-            pytest.fail(f"{nb.path}: not everything rendered:\n  " + "\n  ".join(problems), pytrace=False)
+        problems, found = render_problems(nb)
+        if not problems or time.monotonic() > deadline:
+            return problems, found
         time.sleep(1.0)
 
 
-def flip(nb: Notebook, control: dict, server) -> Flip:
+def flip(nb: Notebook, control: dict) -> Flip:
     """Flip one control and wait until the page settles; report what changed."""
     page, result = nb.page, Flip(control["kind"], control["label"])
     before = nb.snapshot()
-    log_offset = len(server.log_text())
+    said = page.evaluate(JS_LISTEN, nb.path)
     target = page.locator(f"[data-flip='{control['index']}']")
     target.scroll_into_view_if_needed()
     start = time.monotonic()
@@ -359,8 +377,8 @@ def flip(nb: Notebook, control: dict, server) -> Flip:
         page.keyboard.press("ArrowRight" if control["kind"] == "slider-up" else "ArrowLeft")
     else:
         target.click()
-    # Settle: the page has changed and stayed the same for 1.5 s with the kernel idle,
-    # or nothing has changed by the time the kernel has been idle for 3 s.
+    # Settled: the page changed and then stayed the same for 1.5 s with the kernel
+    # idle, or nothing changed by the time the kernel has been idle for 3 s.
     last, stable_since, idle_since = before, None, None
     while time.monotonic() - start < FLIP_TIMEOUT:
         time.sleep(0.25)
@@ -375,68 +393,115 @@ def flip(nb: Notebook, control: dict, server) -> Flip:
         if not changed and idle_since and time.monotonic() - idle_since > 3.0:
             break
     result.seconds = time.monotonic() - start
-    after = last
-    result.figures_changed = sum(
-        a != b for a, b in zip(before["figures"], after["figures"])
-    ) + abs(len(before["figures"]) - len(after["figures"]))
-    result.text_changed = before["texts"] != after["texts"]
-    tracebacks = new_tracebacks(server.log_text(), log_offset)
-    if tracebacks:
-        pytest.fail(
-            f"{nb.path}: flipping {control['kind']} {control['label']!r} raised in the kernel:\n"
-            + "\n".join(tracebacks),
-            pytrace=False,
-        )
+    result.figures_changed = sum(a != b for a, b in zip(before["figures"], last["figures"])) + abs(
+        len(before["figures"]) - len(last["figures"])
+    )
+    result.text_changed = before["texts"] != last["texts"]
+    stderr = "".join(page.evaluate("(n) => window.__dflashKernelSaid.slice(n)", said))
+    result.tracebacks = [ANSI.sub("", stderr)] if re.search(r"Traceback|\w+Error\b", stderr) else []
     return result
 
 
-def test_notebook_runs_renders_and_reacts(notebook, lab_server, lab_page, screenshots):
-    page = lab_page
-    rel = f"notebooks/{notebook.name}"
+def open_and_run(page, server, rel: str, screenshots: Path) -> tuple[Notebook, dict]:
     nb = Notebook(page, rel, screenshots)
+    page.goto(f"{server.url}/lab/tree/{rel}?token={server.token}&reset")
+    nb.wait_ready()
+    return nb, nb.run_all()
+
+
+def test_notebook_runs_renders_and_reacts(notebook, lab_server, lab_page, screenshots):
+    page, rel, started = lab_page, f"notebooks/{notebook.name}", time.monotonic()
     for old in screenshots.glob(f"{notebook.stem}.*png"):  # no picture from an earlier run passes for this one
         old.unlink()
-    started = time.monotonic()
     try:
-        page.goto(f"{lab_server.url}/lab/tree/{rel}?token={lab_server.token}&reset")
-        nb.wait_ready()
-        state = nb.run_all()
+        nb, state = open_and_run(page, lab_server, rel, screenshots)
 
         # 1. no error outputs; every code cell ran
         if state["errors"]:
             err = state["errors"][0]
-            pytest.fail(
-                f"{rel}: cell {err['cell']} raised {err['ename']}: {err['evalue']}\n"
-                + ANSI.sub("", err["traceback"]),
-                pytrace=False,
-            )
+            pytest.fail(f"{rel}: cell {err['cell']} raised {err['ename']}: {err['evalue']}\n"
+                        + ANSI.sub("", err["traceback"]), pytrace=False)
         assert state["done"] == state["code"], f"{rel}: only {state['done']} of {state['code']} code cells ran"
 
         # 2-3. figures drawn, widget views rendered
-        found = wait_rendered(nb)
+        problems, found = wait_rendered(nb)
+        assert not problems, f"{rel}: not everything rendered:\n  " + "\n  ".join(problems)
         nb.screenshot(f"{notebook.stem}.png")
 
         # 4. the controls react
-        controls = page.evaluate(JS_CONTROLS, rel)
+        controls = nb.controls()
         assert controls, f"{rel}: no widget control (dropdown, checkbox, toggle, radio, slider) found"
-        flips = [flip(nb, c, lab_server) for c in controls[:MAX_FLIPS]]
-        for f in flips:
-            print(f"{rel}: flipped {f.kind} {f.label!r}: {f.figures_changed} figure(s) changed, "
-                  f"text changed: {f.text_changed}, {f.seconds:.1f}s")
-        dead = [f for f in flips if not f.changed]
-        assert not dead, f"{rel}: controls that changed nothing on the page: " + ", ".join(
-            f"{f.kind} {f.label!r}" for f in dead
-        )
-        assert any(f.figures_changed for f in flips), f"{rel}: no control changed a figure"
-        wait_rendered(nb)  # the figures the flips redrew are still drawn
+        flips = []
+        for control in controls[:MAX_FLIPS]:
+            flips.append(flip(nb, control))
+            print(f"{rel}: flipped {flips[-1]}")
+            assert not flips[-1].tracebacks, f"{rel}: flipping {flips[-1]} raised in the kernel:\n" + "\n".join(
+                flips[-1].tracebacks)
+        dead = [str(f) for f in flips if not f.changed]
+        assert not dead, f"{rel}: controls that changed nothing on the page: {dead}"
+        assert any(f.figures_changed for f in flips), f"{rel}: no control changed a figure: {list(map(str, flips))}"
+        problems, _ = wait_rendered(nb)  # what the flips redrew is drawn too
+        assert not problems, f"{rel}: after flipping the controls:\n  " + "\n  ".join(problems)
         nb.screenshot(f"{notebook.stem}.flipped.png")
-        print(
-            f"{rel}: {len(found['plots'])} figure(s), {len(controls)} control(s); run all "
-            f"{nb.timings['run_all']:.0f}s, whole test {time.monotonic() - started:.0f}s"
-        )
+        print(f"{rel}: {len(found['plots'])} figure(s), {len(controls)} control(s); run all "
+              f"{nb.timings['run_all']:.0f}s, whole test {time.monotonic() - started:.0f}s")
     except BaseException:
-        try:  # a picture of the failure
+        with contextlib.suppress(Exception):  # a picture of the failure
             page.screenshot(path=str(screenshots / f"{notebook.stem}.FAILED.png"))
-        except Exception:
-            pass
         raise
+
+
+# ---------------------------------------------------------------------------
+# The checks above must fail on a broken notebook. This one breaks figures in
+# every way the suite has met (empty traces, no traces, plotly.js throwing, a
+# FigureWidget whose view fails), has a control wired to nothing and one whose
+# callback raises; each must be reported.
+# ---------------------------------------------------------------------------
+
+BROKEN_CELLS = [
+    "import plotly.graph_objects as go, ipywidgets as widgets\n"
+    "from IPython.display import display",
+    "go.Figure(go.Scatter(x=[], y=[]), layout_title_text='empty traces').show()",
+    "go.Figure(layout_title_text='no traces').show()",
+    "display({'application/vnd.plotly.v1+json': {'data': [{'type': 'scatter', 'y': [1, 2]}],\n"
+    "                                            'layout': {'title': {'text': 'js throws'}},\n"
+    "                                            'frames': 'not a list'}}, raw=True)",
+    "class BrokenFigureWidget(go.FigureWidget):\n"
+    "    _esm = 'export default { render() { throw new Error(\"deliberately broken view\"); } };'\n"
+    "BrokenFigureWidget(go.Scatter(y=[1, 2, 3]))",
+    "ok = go.FigureWidget(go.Scatter(y=[1, 2, 3]), layout_title_text='fine')\n"
+    "dead = widgets.IntSlider(value=1, min=0, max=5, description='wired to nothing')\n"
+    "def explode(change):\n"
+    "    raise ValueError('deliberately broken callback')\n"
+    "boom = widgets.Dropdown(options=['a', 'b'], description='raises')\n"
+    "boom.observe(explode, names='value')\n"
+    "widgets.VBox([dead, boom, ok])",
+]
+
+
+def test_the_checks_catch_broken_figures_and_dead_controls(lab_server, lab_page, screenshots):
+    import nbformat
+
+    rel = "selftest/broken_figures.ipynb"
+    nbk = nbformat.v4.new_notebook(metadata={"kernelspec": {"name": "python3", "display_name": "Python 3",
+                                                            "language": "python"}})
+    nbk.cells = [nbformat.v4.new_code_cell(src) for src in BROKEN_CELLS]
+    (lab_server.root / "selftest").mkdir(exist_ok=True)
+    nbformat.write(nbk, lab_server.root / rel)
+
+    nb, state = open_and_run(lab_page, lab_server, rel, screenshots)
+    assert not state["errors"] and state["done"] == len(BROKEN_CELLS), state
+    problems, _ = wait_rendered(nb, timeout=15)
+    nb.screenshot("selftest.broken_figures.png")
+    print("the checks found, as they should:\n  " + "\n  ".join(problems))
+
+    report = "\n".join(problems)
+    assert "figure 'empty traces': 1 trace(s) but nothing drawn" in report
+    assert "figure 'no traces': the figure has no data traces" in report
+    assert "cell 3 output 0: 1 figure(s) expected, 0 rendered" in report
+    assert "cell 4 output 0: 1 figure(s) expected, 0 rendered" in report
+    assert "cell 5" not in report, report  # the working FigureWidget is not blamed
+    flips = {c["label"].split()[0]: flip(nb, c) for c in nb.controls()}
+    print("\n".join(f"flipped {f}" for f in flips.values()))
+    assert not flips["wired"].changed and not flips["wired"].tracebacks
+    assert any("ValueError: deliberately broken callback" in t for t in flips["raises"].tracebacks)
