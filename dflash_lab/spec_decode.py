@@ -294,13 +294,11 @@ class SpecDecodeStats:
     def __add__(self, other: "SpecDecodeStats") -> "SpecDecodeStats":
         if not isinstance(other, SpecDecodeStats):
             return NotImplemented
-        a, b = self.num_accepted_tokens_per_pos, other.num_accepted_tokens_per_pos
-        n = max(len(a), len(b))
         return SpecDecodeStats(
             num_drafts=self.num_drafts + other.num_drafts,
             num_draft_tokens=self.num_draft_tokens + other.num_draft_tokens,
             num_accepted_tokens=self.num_accepted_tokens + other.num_accepted_tokens,
-            num_accepted_tokens_per_pos=[(a[i] if i < len(a) else 0) + (b[i] if i < len(b) else 0) for i in range(n)],
+            num_accepted_tokens_per_pos=_per_pos(self, other, 1),
             acceptance_lengths=self.acceptance_lengths + other.acceptance_lengths,
             num_generated_tokens=self.num_generated_tokens + other.num_generated_tokens,
             num_target_forwards=self.num_target_forwards + other.num_target_forwards,
@@ -315,13 +313,11 @@ class SpecDecodeStats:
         """Counters of ``self`` minus ``other``: a run between two scrapes of vLLM's cumulative counters."""
         if not isinstance(other, SpecDecodeStats):
             return NotImplemented
-        a, b = self.num_accepted_tokens_per_pos, other.num_accepted_tokens_per_pos
-        n = max(len(a), len(b))
         diff = SpecDecodeStats(
             num_drafts=self.num_drafts - other.num_drafts,
             num_draft_tokens=self.num_draft_tokens - other.num_draft_tokens,
             num_accepted_tokens=self.num_accepted_tokens - other.num_accepted_tokens,
-            num_accepted_tokens_per_pos=[(a[i] if i < len(a) else 0) - (b[i] if i < len(b) else 0) for i in range(n)],
+            num_accepted_tokens_per_pos=_per_pos(self, other, -1),
             num_generated_tokens=self.num_generated_tokens - other.num_generated_tokens,
             num_target_forwards=self.num_target_forwards - other.num_target_forwards,
         )
@@ -339,6 +335,14 @@ class SpecDecodeStats:
             "mean_acceptance_length": r(self.mean_acceptance_length),
             "per_position_acceptance_rate": [r(x) for x in self.per_position_acceptance_rate],
         }
+
+
+def _per_pos(a: SpecDecodeStats, b: SpecDecodeStats, sign: int) -> list[int]:
+    """a's per-position counts plus (sign=1) or minus (sign=-1) b's; the shorter list counts as zeros."""
+    x, y = a.num_accepted_tokens_per_pos, b.num_accepted_tokens_per_pos
+    n = max(len(x), len(y))
+    x, y = x + [0] * (n - len(x)), y + [0] * (n - len(y))
+    return [i + sign * j for i, j in zip(x, y)]
 
 
 @dataclass
@@ -494,6 +498,8 @@ def check_generation_args(target, drafter, input_ids, *, max_new_tokens, block_s
     if stop_token_ids is None:
         stop = set()
     else:
+        if isinstance(stop_token_ids, torch.Tensor):
+            stop_token_ids = stop_token_ids.tolist()
         stop_list = [stop_token_ids] if _is_int(stop_token_ids) else list(stop_token_ids)
         bad = [s for s in stop_list if not _is_int(s) or not 0 <= s < vocab]
         if bad:
