@@ -457,3 +457,74 @@ def kv_group_memory_figure(memory, *, title: str | None = None) -> go.Figure:
 # ---------------------------------------------------------------------------
 # Training logs
 # ---------------------------------------------------------------------------
+#
+# A log is the training_log.json that `python -m dflash_lab.train target|drafter`
+# writes next to its checkpoint (a dict, or the path of the file or its folder).
+
+
+def read_training_log(log) -> dict:
+    """A training log as a dict, from a dict, a training_log.json path or a checkpoint folder."""
+    import json
+    from pathlib import Path
+
+    if isinstance(log, dict):
+        return log
+    path = Path(log)
+    if path.is_dir():
+        path = path / "training_log.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"no training log at {path}")
+    return json.loads(path.read_text())
+
+
+def _training_summary(log: dict) -> str:
+    where = log.get("device_name") or log.get("device", "?")
+    parts = [f"{log.get('steps', '?')} steps", f"{log.get('train_seconds', 0):.0f} s on {where}"]
+    final = log.get("final") or {}
+    if log.get("stage") == "target" and "heldout_loss" in final:
+        parts.append(f"held-out loss {final['heldout_loss']:.3f} (ppl {final['heldout_perplexity']:.1f})")
+    for key, ev in sorted(final.items()):
+        if isinstance(ev, dict) and "mean_acceptance_length" in ev:
+            parts.append(f"τ {ev['mean_acceptance_length']:.2f} at block {ev['block_size']}")
+    return ", ".join(parts)
+
+
+def plot_training_log(log, *, title: str | None = None) -> go.Figure:
+    """Loss curve (and held-out loss) of a target log; loss + per-position agreement of a drafter log."""
+    from plotly.subplots import make_subplots
+
+    log = read_training_log(log)
+    stage = log.get("stage", "?")
+    curve = log.get("loss_curve") or []
+    steps, losses = [c[0] for c in curve], [c[1] for c in curve]
+    is_drafter = stage == "drafter"
+    fig = make_subplots(rows=1, cols=2 if is_drafter else 1, horizontal_spacing=0.12,
+                        subplot_titles=("training loss", "per block position") if is_drafter else None)
+    fig.add_trace(go.Scatter(x=steps, y=losses, mode="lines", name="train loss", line=dict(color=PALETTE["blue"]),
+                             hovertemplate="step %{x}: %{y:.3f}<extra>train</extra>"), 1, 1)
+    evals = log.get("eval_curve") or []
+    if evals:
+        fig.add_trace(go.Scatter(x=[e[0] for e in evals], y=[e[1] for e in evals], mode="lines+markers",
+                                 name="held-out loss", line=dict(color=PALETTE["orange"]),
+                                 hovertemplate="step %{x}: %{y:.3f}<extra>held-out</extra>"), 1, 1)
+    fig.update_xaxes(title_text="step", row=1, col=1)
+    fig.update_yaxes(title_text="cross-entropy (nats)", row=1, col=1)
+    if is_drafter:
+        acc = log.get("accuracy_curve") or []
+        if acc:
+            last = acc[-1][1]
+            fig.add_trace(go.Bar(x=list(range(1, len(last) + 1)), y=last, name="train: top-1 agrees with target",
+                                 marker_color=PALETTE["sky"],
+                                 hovertemplate="position %{x}: %{y:.2f}<extra>train agreement</extra>"), 1, 2)
+        for key, ev in sorted((log.get("final") or {}).items()):
+            if isinstance(ev, dict) and "per_position_acceptance_rate" in ev:
+                rates = ev["per_position_acceptance_rate"]
+                fig.add_trace(go.Scatter(x=list(range(1, len(rates) + 1)), y=rates, mode="lines+markers",
+                                         name=f"held-out acceptance (block {ev['block_size']})",
+                                         line=dict(color=PALETTE["red"]),
+                                         hovertemplate="position %{x}: %{y:.2f}<extra>held-out</extra>"), 1, 2)
+        fig.update_xaxes(title_text="block position j", row=1, col=2)
+        fig.update_yaxes(title_text="rate", range=[0, 1], row=1, col=2)
+    fig.update_layout(title=title or f"{stage} training: {_training_summary(log)}", height=380,
+                      margin=dict(l=10, r=10, t=70, b=10), legend=dict(orientation="h", y=-0.2))
+    return fig

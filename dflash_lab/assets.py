@@ -1,0 +1,93 @@
+"""The shipped pair: a tiny Laguna code model and its DFlash drafter.
+
+    target, drafter, tokenizer = load_default_pair()
+
+loads ``checkpoints/laguna-tiny-code/`` (transformers LagunaForCausalLM +
+tokenizer) and ``checkpoints/laguna-tiny-code-dflash/`` (the drafter, in vLLM's
+DFlashLagunaForCausalLM layout). Both were trained by ``python -m
+dflash_lab.train`` (see its training_log.json files). Environment variables
+point the lab at other checkpoints, e.g. the real Laguna XS.2 pair on a GPU box:
+
+    DFLASH_LAB_TARGET   target directory (config.json, *.safetensors, tokenizer)
+    DFLASH_LAB_DRAFTER  drafter directory (config.json, model.safetensors)
+    DFLASH_LAB_DEVICE   cpu, cuda, cuda:1, ... (default: cuda if available, else cpu)
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+CHECKPOINTS = ROOT / "checkpoints"
+DEFAULT_TARGET = CHECKPOINTS / "laguna-tiny-code"
+DEFAULT_DRAFTER = CHECKPOINTS / "laguna-tiny-code-dflash"
+HELDOUT_PROMPTS = CHECKPOINTS / "heldout_prompts.json"
+
+TARGET_ENV, DRAFTER_ENV, DEVICE_ENV = "DFLASH_LAB_TARGET", "DFLASH_LAB_DRAFTER", "DFLASH_LAB_DEVICE"
+
+
+def default_device() -> torch.device:
+    """$DFLASH_LAB_DEVICE if set, else cuda when available, else cpu."""
+    name = os.environ.get(DEVICE_ENV, "").strip()
+    if name:
+        try:
+            device = torch.device(name)
+        except RuntimeError:
+            raise ValueError(f"{DEVICE_ENV}={name!r} is not a torch device (try cpu, cuda, cuda:1)") from None
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"{DEVICE_ENV}={name!r} asks for CUDA, but torch sees no CUDA device here")
+        return device
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def target_path() -> Path:
+    return Path(os.environ.get(TARGET_ENV) or DEFAULT_TARGET)
+
+
+def drafter_path() -> Path:
+    return Path(os.environ.get(DRAFTER_ENV) or DEFAULT_DRAFTER)
+
+
+def load_tokenizer(path=None):
+    """The target's tokenizer (transformers fast tokenizer, offline)."""
+    from transformers import AutoTokenizer
+
+    path = Path(path) if path is not None else target_path()
+    if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
+        raise FileNotFoundError(f"no tokenizer (tokenizer.json) in {path}")
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+
+
+def load_default_pair(device=None, *, dtype: torch.dtype | None = None):
+    """(target, drafter, tokenizer), ready for inference on ``device``.
+
+    device: None means default_device(). dtype: None means float32 on the CPU
+    (bf16 weights, float32 arithmetic: exact greedy decoding on any laptop) and
+    the checkpoints' own dtype on an accelerator.
+    """
+    from .checkpoint import load_drafter
+    from .target import load_target
+
+    device = torch.device(device) if device is not None else default_device()
+    tpath, dpath = target_path(), drafter_path()
+    for what, path, env in (("target", tpath, TARGET_ENV), ("drafter", dpath, DRAFTER_ENV)):
+        if not path.is_dir():
+            raise FileNotFoundError(f"{what} checkpoint directory {path} does not exist (set ${env} to point elsewhere)")
+    if dtype is None and device.type == "cpu":
+        dtype = torch.float32
+    target = load_target(tpath, device=device, dtype=dtype)
+    drafter = load_drafter(dpath, device=device, dtype=dtype or next(target.parameters()).dtype)
+    drafter.config.validate_against_target(target.config)
+    for p in list(target.parameters()) + list(drafter.parameters()):
+        p.requires_grad_(False)
+    return target.eval(), drafter.eval(), load_tokenizer(tpath)
+
+
+def heldout_prompts(path=None) -> list[dict]:
+    """The held-out prompt set: dicts with ``id``, ``source`` (stdlib path), ``first_line``, ``text``."""
+    from .corpus import load_prompts
+
+    return load_prompts(path or HELDOUT_PROMPTS)

@@ -1,0 +1,218 @@
+"""The training recipe: corpus split, tokenizer, DFlash block/label construction, a few steps that learn."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from dflash_lab import corpus, train
+from dflash_lab.assets import HELDOUT_PROMPTS, DEFAULT_TARGET, heldout_prompts
+from dflash_lab.config import DFlashDrafterConfig
+from dflash_lab.drafter import DFlashLagunaDrafter
+from dflash_lab.target import build_target, tiny_laguna_config
+
+VOCAB = 256
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Micro models run fastest single-threaded (and do not fight a busy CI box for cores)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def micro_target(seed: int = 0):
+    """A 2-layer Laguna (sliding + full, dense then MoE) small enough for CPU unit tests."""
+    cfg = tiny_laguna_config(
+        VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=32, layer_types=["sliding_attention", "full_attention"], sliding_window=16,
+        mlp_layer_types=["dense", "sparse"], num_experts=4, moe_intermediate_size=32,
+        shared_expert_intermediate_size=64,
+    )
+    return train.freeze(build_target(cfg, seed=seed))
+
+
+def micro_drafter_config(target, **kw):
+    cfg = train.DrafterTrainConfig(num_layers=1, intermediate_size=128, num_aux_layers=2, block_size=4,
+                                   anchors_per_seq=4, batch_size=4, **kw)
+    return cfg, train.make_drafter_config(target.config, cfg)
+
+
+# --- corpus ------------------------------------------------------------------------
+
+
+def test_split_depends_only_on_the_relative_path():
+    paths = [f"pkg{i}/mod{j}.py" for i in range(20) for j in range(50)]
+    first = [corpus.split_of(p) for p in paths]
+    assert first == [corpus.split_of(p) for p in paths]
+    share = {name: first.count(name) / len(first) for name in corpus.SPLITS}
+    assert 0.07 < share["heldout"] < 0.13 and 0.07 < share["distill"] < 0.13 and 0.74 < share["train"] < 0.86
+    # The same relative path lands in the same split wherever the stdlib lives.
+    assert corpus.SourceFile("json/decoder.py", "x").split == corpus.split_of("json/decoder.py")
+
+
+def test_gather_skips_site_packages_and_bad_utf8_and_split_is_a_partition(tmp_path):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "site-packages").mkdir()
+    for i in range(30):
+        (tmp_path / "pkg" / f"m{i}.py").write_text(f"x = {i}\n")
+    (tmp_path / "site-packages" / "third.py").write_text("y = 1\n")
+    (tmp_path / "bad.py").write_bytes(b"\xff\xfe not utf-8")
+    files = corpus.gather(tmp_path)
+    names = [f.relpath for f in files]
+    assert names == sorted(names) and "site-packages/third.py" not in names and "bad.py" not in names
+    parts = corpus.by_split(files)
+    assert sorted(f.relpath for part in parts.values() for f in part) == names
+    assert all(f.split == name for name, part in parts.items() for f in part)
+
+
+def test_shipped_heldout_prompts_come_from_heldout_files_only():
+    prompts = heldout_prompts()
+    assert len(prompts) >= 40
+    assert {corpus.split_of(p["source"]) for p in prompts} == {"heldout"}
+    assert all(len(p["text"]) >= 200 and not p["text"].endswith("\n") for p in prompts)
+    assert json.loads(HELDOUT_PROMPTS.read_text())["prompts"] == prompts
+
+
+def test_files_containing_a_heldout_prompt_are_dropped():
+    prompts = [{"text": "def held_out_function(a, b):\n    return a + b"}]
+    files = [corpus.SourceFile("a.py", "import os\n" + prompts[0]["text"] + "\n"), corpus.SourceFile("b.py", "x = 1\n")]
+    assert [f.relpath for f in corpus.drop_files_containing(files, prompts)] == ["b.py"]
+
+
+# --- tokenizer ------------------------------------------------------------------
+
+
+def test_shipped_tokenizer_has_the_specials_and_round_trips_code():
+    tok = train.load_tokenizer(DEFAULT_TARGET)
+    assert len(tok) == 4096
+    assert (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id, tok.mask_token_id) == (0, 1, 2, 3)
+    code = 'class Café:\n\tdef f(self, x=1_000):\n        return f"{x!r}"  # ünïcode ✓\n\n'
+    ids = tok.encode(code, add_special_tokens=False)
+    assert tok.decode(ids) == code
+    assert train.MASK_ID not in ids and train.EOS_ID not in ids
+
+
+def test_a_trained_tokenizer_puts_the_specials_first():
+    tok = train.train_tokenizer(["def f(x):\n    return x\n" * 50, "import os\nprint(os.sep)\n" * 50], vocab_size=300)
+    assert [tok.token_to_id(t) for t in train.SPECIAL_TOKENS] == [0, 1, 2, 3]
+    text = "def g(y):\n    return os.sep\n"
+    assert tok.decode(tok.encode(text).ids) == text
+
+
+# --- DFlash blocks and labels ----------------------------------------------------------
+
+
+def test_block_is_the_anchor_token_then_masks_at_consecutive_positions():
+    ids = torch.arange(100, 140).view(2, 20)
+    anchors = torch.tensor([[3, 10], [0, 15]])
+    block, pos = train.block_inputs(ids, anchors, block_size=4, mask_token_id=3)
+    assert block.tolist() == [[103, 3, 3, 3, 110, 3, 3, 3], [120, 3, 3, 3, 135, 3, 3, 3]]
+    assert pos.tolist() == [[3, 4, 5, 6, 10, 11, 12, 13], [0, 1, 2, 3, 15, 16, 17, 18]]
+
+
+def test_block_position_j_learns_the_target_prediction_made_at_anchor_plus_j_minus_1():
+    target = micro_target()
+    ids = torch.randint(4, VOCAB, (2, 24))
+    anchors = torch.tensor([[2, 9], [5, 20]])
+    bs = 4
+    _, last = train.target_features(target, ids, [0, 1])
+    labels = target.lm_head(train.gather_positions(last, train.label_positions(anchors, bs))).argmax(-1)  # (B, A, bs-1)
+    full = target(input_ids=ids).logits.argmax(-1)  # prediction made at each position
+    for b in range(2):
+        for a in range(2):
+            for j in range(1, bs):
+                assert labels[b, a, j - 1] == full[b, anchors[b, a] + j - 1]
+
+
+def test_anchor_sampling_stays_inside_the_continuation_window():
+    gen = torch.Generator().manual_seed(0)
+    a = train.sample_anchors(64, lo=10, hi=30, num=8, gen=gen)
+    assert a.shape == (64, 8) and a.min() >= 10 and a.max() <= 30
+    assert (a[:, 1:] > a[:, :-1]).all()  # sorted and distinct
+
+
+def test_drafter_context_excludes_positions_at_or_after_the_anchor():
+    target = micro_target()
+    _, dcfg = micro_drafter_config(target)
+    drafter = DFlashLagunaDrafter(dcfg).eval()
+    ids = torch.randint(4, VOCAB, (1, 24))
+    anchors = torch.tensor([[6, 12]])
+    aux, _ = train.target_features(target, ids, dcfg.target_layer_ids)
+    with torch.no_grad():
+        base = train.draft_logits_for(target, drafter, ids, anchors, aux, 4)
+        later = aux.clone()
+        later[:, 12:] += torch.randn_like(later[:, 12:])  # features of positions >= the second anchor
+        moved = train.draft_logits_for(target, drafter, ids, anchors, later, 4)
+        torch.testing.assert_close(moved[:, 0], base[:, 0])  # the first block never sees them...
+        torch.testing.assert_close(moved[:, 1], base[:, 1])  # ...nor the second (context < 12 only)
+        earlier = aux.clone()
+        earlier[:, 11] += 1.0  # the last position before the second anchor
+        moved = train.draft_logits_for(target, drafter, ids, anchors, earlier, 4)
+        torch.testing.assert_close(moved[:, 0], base[:, 0])
+        assert not torch.allclose(moved[:, 1], base[:, 1])
+
+
+def test_position_weights_decay_from_one():
+    w = train.position_weights(16, gamma=7.0)
+    assert w.shape == (15,) and w[0] == 1 and (w[1:] < w[:-1]).all()
+    torch.testing.assert_close(w[7], torch.tensor(np.exp(-1.0), dtype=torch.float32))
+
+
+def test_degenerate_continuations_are_flagged():
+    good = torch.arange(40)[None]
+    bad = torch.tensor([[5, 6, 7] * 13 + [5]])
+    assert train.is_degenerate(torch.cat([good, bad]), min_distinct=8).tolist() == [False, True]
+
+
+# --- replaying greedy speculative decoding ------------------------------------------------
+
+
+def test_replay_counts_drafts_like_vllm():
+    prompt_len, k = 2, 3
+    greedy = torch.arange(20)  # the target's greedy sequence: prompt [0, 1], then 2, 3, ...
+    drafts = torch.stack([greedy[prompt_len + a + 1: prompt_len + a + 1 + k] for a in range(12)])
+    drafts[0, 2] = -1  # block at 2: accept 2 drafts, bonus -> next block at 5
+    drafts[3, 0] = -1  # block at 5: accept 0, bonus -> next block at 6
+    # block at 6 accepts all 3 -> next at 10 ; block at 10 accepts 3 -> generated 12 tokens >= 10: stop
+    r = train.replay_greedy_decoding(greedy, drafts, prompt_len, max_new_tokens=10)
+    assert r == {"num_drafts": 4, "num_accepted_tokens": 8, "num_accepted_tokens_per_pos": [3, 3, 2]}
+
+
+# --- a few steps learn --------------------------------------------------------------------
+
+
+def test_a_few_target_steps_reduce_the_loss():
+    rng = np.random.default_rng(0)
+    pattern = rng.integers(4, VOCAB, 50).astype(np.uint16)
+    streams = {"train": np.tile(pattern, 40), "heldout": np.tile(pattern, 4), "distill": np.tile(pattern, 4)}
+    cfg = train.TargetTrainConfig(epochs=1, batch_size=8, seq_len=32, lr=3e-3, warmup=2, eval_every=4,
+                                  eval_windows=4, log_every=1)
+    overrides = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                     num_key_value_heads=1, head_dim=32, layer_types=["sliding_attention", "full_attention"],
+                     sliding_window=16, mlp_layer_types=["dense", "sparse"], num_experts=4,
+                     moe_intermediate_size=32, shared_expert_intermediate_size=64)
+    model, log = train.train_target(VOCAB, streams, cfg, torch.device("cpu"), config_overrides=overrides)
+    losses = [c[1] for c in log["loss_curve"]]
+    assert log["steps"] == len(streams["train"]) // (8 * 32)
+    assert losses[-1] < losses[0] - 1.0
+    assert log["final"]["heldout_loss"] < np.log(VOCAB) - 1.0
+
+
+def test_a_few_drafter_steps_reduce_the_loss():
+    target = micro_target()
+    with torch.no_grad():
+        target.lm_head.weight.mul_(40)  # a peaked target: its soft labels carry something to learn
+    gen = torch.Generator().manual_seed(0)
+    prompts = torch.randint(4, VOCAB, (8, 12), generator=gen)
+    seqs = train.greedy_generate(target, prompts, 16)  # self-distilled: the target's own continuations
+    cfg, _ = micro_drafter_config(target, steps=40, lr=3e-3, warmup=5, log_every=1)
+    drafter, log = train.train_drafter(target, {12: seqs.numpy().astype(np.uint16)}, cfg, continuation=16)
+    losses = [c[1] for c in log["loss_curve"]]
+    assert losses[-1] < losses[0] - 0.5
+    assert isinstance(drafter.config, DFlashDrafterConfig) and drafter.config.block_size == 4
