@@ -86,9 +86,13 @@ def _write(out_dir: Path, stem: str, records, markdown: str | None = None) -> li
     if markdown is not None:
         files[out_dir / f"{stem}.md"] = markdown
     for path, text in files.items():
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text(text)
-        tmp.replace(path)
+        tmp = path.with_name(f".{path.name}.tmp")
+        try:
+            tmp.write_text(text)
+            tmp.replace(path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)  # no stray half-written file next to the results
+            raise
     return list(files)
 
 

@@ -125,3 +125,48 @@ def test_atomic_directory_never_shows_a_partial_directory(tmp_path):
 
     atomic_directory(tmp_path / "out", write)
     assert seen == [False] and sorted(p.name for p in (tmp_path / "out").iterdir()) == ["a", "b"]
+
+
+# --- the other writers: report pages and benchmark results --------------------------
+
+
+def report_page(path, value):
+    from dflash_lab.report import write_atomic
+
+    write_atomic(path, value)
+
+
+def bench_results(path, value):
+    from dflash_lab.bench import _write
+
+    _write(path.parent, path.stem, {"value": value})
+
+
+def raise_boom(*args, **kwargs):
+    raise Boom("disk full or rename failed")
+
+
+def half_write_text(self, data, *args, **kwargs):
+    with open(self, "w") as f:
+        f.write(data[: len(data) // 2])
+    raise Boom("disk full")
+
+
+@pytest.mark.parametrize("writer, name", [(report_page, "index.html"), (bench_results, "acceptance.json")], ids=["report", "bench"])
+@pytest.mark.parametrize("fault", ["write-fails", "rename-fails"])
+def test_a_failed_file_write_keeps_the_previous_file(writer, name, fault, tmp_path, monkeypatch):
+    path = tmp_path / name
+    writer(path, "old")
+    before = path.read_text()
+    if fault == "write-fails":
+        monkeypatch.setattr("pathlib.Path.write_text", half_write_text)
+        monkeypatch.setattr(os, "fsync", raise_boom)  # the report writes through a file descriptor
+    else:
+        monkeypatch.setattr(os, "replace", raise_boom)
+
+    with pytest.raises(Boom):
+        writer(path, "new")
+    monkeypatch.undo()
+
+    assert path.read_text() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == [name], "a temporary file was left behind"
