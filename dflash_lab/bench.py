@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from . import kernels
+from .checkpoint import atomic_file
 from .config import DFlashDrafterConfig
 from .drafter import DFlashLagunaDrafter, _build_context_kv_buffers, context_kv_batched
 
@@ -86,13 +87,7 @@ def _write(out_dir: Path, stem: str, records, markdown: str | None = None) -> li
     if markdown is not None:
         files[out_dir / f"{stem}.md"] = markdown
     for path, text in files.items():
-        tmp = path.with_name(f".{path.name}.tmp")
-        try:
-            tmp.write_text(text)
-            tmp.replace(path)
-        except BaseException:
-            tmp.unlink(missing_ok=True)  # no stray half-written file next to the results
-            raise
+        atomic_file(path, lambda tmp: tmp.write_text(text))
     return list(files)
 
 

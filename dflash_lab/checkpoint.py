@@ -66,6 +66,24 @@ def atomic_directory(out_dir, write) -> Path:
     return out_dir
 
 
+def atomic_file(path, write) -> Path:
+    """Run ``write(tmp_path)`` then rename tmp_path over ``path``.
+
+    On any failure the temporary file is removed and ``path`` keeps its old
+    content (or stays absent).
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
+
+
 def save_drafter(drafter: DFlashLagunaDrafter, out_dir, *, dtype: torch.dtype | None = None) -> None:
     """Write config.json + model.safetensors in vLLM's layout, atomically."""
     if not isinstance(drafter, DFlashLagunaDrafter):

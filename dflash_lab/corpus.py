@@ -162,9 +162,10 @@ def save_prompts(prompts: list[dict], path) -> None:
         "python": ".".join(map(str, sys.version_info[:3])),
         "prompts": prompts,
     }
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(doc, indent=1, ensure_ascii=False) + "\n")
-    tmp.replace(path)
+    from .checkpoint import atomic_file
+
+    text = json.dumps(doc, indent=1, ensure_ascii=False) + "\n"
+    atomic_file(path, lambda tmp: tmp.write_text(text))
 
 
 def load_prompts(path) -> list[dict]:

@@ -113,6 +113,15 @@ class Clock:
         return math.inf if self.budget_s is None else self.budget_s - self.elapsed()
 
 
+PACE_FROM, PACE_TO = 10, 30  # steps between which the pace is measured (after warm-up effects)
+
+
+def synchronized_time(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
 def fit_steps(planned: int, done: int, seconds_per_step: float, seconds_left: float) -> int:
     """How many steps fit: the planned number, or fewer if the time budget says so."""
     if not math.isfinite(seconds_left):
@@ -122,11 +131,10 @@ def fit_steps(planned: int, done: int, seconds_per_step: float, seconds_left: fl
 
 def write_json(path, obj) -> None:
     """Write JSON atomically (a temporary sibling, then rename)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=1) + "\n")
-    tmp.replace(path)
+    from .checkpoint import atomic_file
+
+    text = json.dumps(obj, indent=1) + "\n"
+    atomic_file(path, lambda tmp: tmp.write_text(text))
 
 
 def progress(total: int, desc: str):
@@ -315,7 +323,7 @@ def train_target(vocab_size: int, streams: dict, cfg: TargetTrainConfig, device:
     best = (math.inf, None, -1)
     total = planned
     bar = progress(total, "target")
-    loop_start, step = time.perf_counter(), 0
+    loop_start, step, pace = time.perf_counter(), 0, []
     while step < total:
         lr = lr_at(step, total, cfg.lr, cfg.warmup)
         for g in opt.param_groups:
@@ -328,12 +336,12 @@ def train_target(vocab_size: int, streams: dict, cfg: TargetTrainConfig, device:
         opt.step()
         opt.zero_grad(set_to_none=True)
         step += 1
-        if step == 20:  # measure the pace once, and shorten the run if the budget says so
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            per_step = (time.perf_counter() - loop_start) / step * 1.1  # + evaluation overhead
-            total = fit_steps(planned, step, per_step, clock.left() - 25)
-            bar.total = total
+        if step in (PACE_FROM, PACE_TO):  # measure the pace once, and shorten the run if the budget says so
+            pace.append(synchronized_time(device))
+            if step == PACE_TO:
+                per_step = (pace[1] - pace[0]) / (PACE_TO - PACE_FROM) * 1.1  # + evaluation overhead
+                total = fit_steps(planned, step, per_step, clock.left() - 25)
+                bar.total = total
         if step % cfg.log_every == 0 or step == total:
             log["loss_curve"].append([step, round(out.loss.item(), 4), lr])
             bar.set_postfix(loss=f"{out.loss.item():.3f}")
@@ -514,7 +522,9 @@ def build_distill_data(target, tokenizer, streams: dict, cfg: DistillConfig, *, 
 def save_distill_data(data: dict, path) -> None:
     from safetensors.numpy import save_file
 
-    save_file({f"prefix_{P}": v for P, v in data.items()}, str(path))
+    from .checkpoint import atomic_file
+
+    atomic_file(path, lambda tmp: save_file({f"prefix_{P}": v for P, v in data.items()}, str(tmp)))
 
 
 def load_distill_data(path) -> dict:
@@ -658,7 +668,7 @@ def train_drafter(target, data: dict, cfg: DrafterTrainConfig, continuation: int
            "train_sequences": int(sizes.sum()), "loss_curve": [], "accuracy_curve": [], "eval_curve": []}
     total = cfg.steps
     bar = progress(total, "drafter")
-    loop_start, step, seqs_seen = time.perf_counter(), 0, 0
+    loop_start, step, seqs_seen, pace = time.perf_counter(), 0, 0, []
     while step < total:
         lr = lr_at(step, total, cfg.lr, cfg.warmup, floor=0.05)
         for g in opt.param_groups:
@@ -679,12 +689,12 @@ def train_drafter(target, data: dict, cfg: DrafterTrainConfig, continuation: int
         opt.zero_grad(set_to_none=True)
         step += 1
         seqs_seen += cfg.batch_size
-        if step == 20:
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            per_step = (time.perf_counter() - loop_start) / step * 1.03
-            total = fit_steps(cfg.steps, step, per_step, clock.left())
-            bar.total = total
+        if step in (PACE_FROM, PACE_TO):
+            pace.append(synchronized_time(device))
+            if step == PACE_TO:
+                per_step = (pace[1] - pace[0]) / (PACE_TO - PACE_FROM) * 1.03
+                total = fit_steps(cfg.steps, step, per_step, clock.left())
+                bar.total = total
         if step % cfg.log_every == 0 or step == total:
             log["loss_curve"].append([step, round(loss.item(), 4), lr])
             log["accuracy_curve"].append([step, [round(a, 4) for a in agree.tolist()]])
@@ -744,43 +754,49 @@ def replay_greedy_decoding(greedy: torch.Tensor, drafts: torch.Tensor, prompt_le
     return {"num_drafts": num_drafts, "num_accepted_tokens": accepted, "num_accepted_tokens_per_pos": per_pos}
 
 
-def evaluate_acceptance(target, drafter, tokenizer, prompts: list[dict], *, block_size: int = 16,
-                        max_new_tokens: int = 64, show_progress: bool = False) -> dict:
+def evaluate_acceptance(target, drafter, tokenizer, prompts: list[dict], *, block_sizes=(16,),
+                        max_new_tokens: int = 64, show_progress: bool = False) -> dict[int, dict]:
     """Mean acceptance length and per-position rates of greedy DFlash decoding on held-out prompts.
 
-    Also returns the teacher-forced per-position rates over EVERY anchor (a
-    smoother estimate, independent of where blocks happen to start).
+    One entry per block size. Each also holds the teacher-forced per-position
+    rates over EVERY anchor (a smoother estimate that does not depend on where
+    blocks happen to start).
     """
     device = next(target.parameters()).device
-    k = block_size - 1
-    totals = {"num_drafts": 0, "num_accepted_tokens": 0, "num_accepted_tokens_per_pos": [0] * k}
-    all_anchor = torch.zeros(k, dtype=torch.float64)
-    n_anchor = 0
+    longest = max(block_sizes)
+    results = {}
+    for bs in block_sizes:
+        results[bs] = {"num_drafts": 0, "num_accepted_tokens": 0, "num_accepted_tokens_per_pos": [0] * (bs - 1),
+                       "all_anchor": torch.zeros(bs - 1, dtype=torch.float64)}
     it = prompts
     if show_progress:
         from tqdm.auto import tqdm
 
-        it = tqdm(prompts, desc=f"acceptance (block {block_size})")
+        it = tqdm(prompts, desc="acceptance")
     for pr in it:
         ids = torch.tensor([tokenizer.encode(pr["text"], add_special_tokens=False)], device=device)
         P = ids.shape[1]
-        g = greedy_generate(target, ids, max_new_tokens + block_size)[0]
-        drafts = drafts_at_every_anchor(target, drafter, g, P, max_new_tokens, block_size)
-        r = replay_greedy_decoding(g, drafts, P, max_new_tokens)
-        totals["num_drafts"] += r["num_drafts"]
-        totals["num_accepted_tokens"] += r["num_accepted_tokens"]
-        totals["num_accepted_tokens_per_pos"] = [a + b for a, b in zip(totals["num_accepted_tokens_per_pos"], r["num_accepted_tokens_per_pos"])]
-        truth = torch.stack([g[P + a + 1: P + a + 1 + k] for a in range(max_new_tokens)])
-        all_anchor += (drafts == truth).long().cumprod(1).sum(0).double().cpu()
-        n_anchor += max_new_tokens
-    nd = max(1, totals["num_drafts"])
-    return {
-        "block_size": block_size, "max_new_tokens": max_new_tokens, "num_prompts": len(prompts), **totals,
-        "mean_acceptance_length": 1 + totals["num_accepted_tokens"] / nd,
-        "per_position_acceptance_rate": [c / nd for c in totals["num_accepted_tokens_per_pos"]],
-        "every_anchor_rate": (all_anchor / n_anchor).tolist(),
-        "every_anchor_mean_acceptance_length": 1 + float((all_anchor / n_anchor).sum()),
-    }
+        g = greedy_generate(target, ids, max_new_tokens + longest)[0]
+        for bs, acc in results.items():
+            k = bs - 1
+            drafts = drafts_at_every_anchor(target, drafter, g, P, max_new_tokens, bs)
+            r = replay_greedy_decoding(g, drafts, P, max_new_tokens)
+            acc["num_drafts"] += r["num_drafts"]
+            acc["num_accepted_tokens"] += r["num_accepted_tokens"]
+            acc["num_accepted_tokens_per_pos"] = [a + b for a, b in zip(acc["num_accepted_tokens_per_pos"], r["num_accepted_tokens_per_pos"])]
+            truth = torch.stack([g[P + a + 1: P + a + 1 + k] for a in range(max_new_tokens)])
+            acc["all_anchor"] += (drafts == truth).long().cumprod(1).sum(0).double().cpu()
+    out = {}
+    for bs, acc in results.items():
+        nd = max(1, acc["num_drafts"])
+        every = (acc.pop("all_anchor") / (max_new_tokens * len(prompts))).tolist()
+        out[bs] = {
+            "block_size": bs, "max_new_tokens": max_new_tokens, "num_prompts": len(prompts), **acc,
+            "mean_acceptance_length": 1 + acc["num_accepted_tokens"] / nd,
+            "per_position_acceptance_rate": [c / nd for c in acc["num_accepted_tokens_per_pos"]],
+            "every_anchor_rate": every, "every_anchor_mean_acceptance_length": 1 + sum(every),
+        }
+    return out
 
 
 def load_pair_for_eval(target_dir, drafter_dir, device):
@@ -819,7 +835,8 @@ def cmd_drafter(args) -> None:
     print(f"self-distillation data: {data_stats}; {clock.elapsed():.0f}s")
     cfg = DrafterTrainConfig(num_layers=args.layers, block_size=args.block_size, steps=args.steps,
                              batch_size=args.batch_size, lr=args.lr, seed=args.seed)
-    reserve = args.eval_prompts * 0.7 + 15  # evaluation and saving
+    blocks = [int(b) for b in args.eval_blocks.split(",")]
+    reserve = args.eval_prompts * (0.6 + 0.15 * len(blocks)) + 15  # evaluation and saving
     budget = None if args.time_budget is None else clock.left() - reserve
     drafter, log = train_drafter(target, data, cfg, dist_cfg.continuation, time_budget=budget)
     log["data"] = {**data_stats, "config": asdict(dist_cfg)}
@@ -831,11 +848,32 @@ def cmd_drafter(args) -> None:
     if args.eval_prompts:
         del data
         t, d = load_pair_for_eval(args.target, args.out, device)
-        ev = evaluate_acceptance(t, d, tokenizer, prompts[: args.eval_prompts], block_size=cfg.block_size)
-        log["final"] = {f"block_{cfg.block_size}": ev, "eval_device": str(device)}
-        print_acceptance(ev)
+        evs = evaluate_acceptance(t, d, tokenizer, prompts[: args.eval_prompts], block_sizes=blocks)
+        log["final"] = {**{f"block_{bs}": ev for bs, ev in evs.items()}, "eval_device": str(device)}
+        for ev in evs.values():
+            print_acceptance(ev)
     log["wall_seconds"] = clock.elapsed()
     write_json(Path(args.out) / LOG_NAME, log)
+
+
+def cmd_evaluate(args) -> None:
+    """Acceptance of a target/drafter pair on the held-out prompts (teacher-forced replay)."""
+    clock = Clock()
+    device = pick_device(args.device)
+    tokenizer = load_tokenizer(args.target)
+    prompts = corpus.load_prompts(args.prompts)[: args.eval_prompts]
+    target, drafter = load_pair_for_eval(args.target, args.drafter, device)
+    blocks = [int(b) for b in args.eval_blocks.split(",")]
+    evs = evaluate_acceptance(target, drafter, tokenizer, prompts, block_sizes=blocks, show_progress=True)
+    for ev in evs.values():
+        print_acceptance(ev)
+    print(f"{clock.elapsed():.0f}s on {device}")
+    if args.update_log:
+        path = Path(args.drafter) / LOG_NAME
+        log = json.loads(path.read_text())
+        log.setdefault("final", {})
+        log["final"].update({f"block_{bs}": ev for bs, ev in evs.items()}, eval_device=str(device))
+        write_json(path, log)
 
 
 def print_acceptance(ev: dict) -> None:
@@ -894,8 +932,18 @@ def main(argv=None) -> None:
                     help="drop continuations with fewer distinct tokens (degenerate repetition)")
     sp.add_argument("--gen-fraction", type=float, default=0.25, help="share of the time budget for data generation")
     sp.add_argument("--data", default=None, help="self-distillation data file (.safetensors): read if present, else written")
-    sp.add_argument("--eval-prompts", type=int, default=corpus.NUM_PROMPTS)
+    sp.add_argument("--eval-prompts", type=int, default=corpus.NUM_PROMPTS, help="held-out prompts to evaluate on (0: none)")
+    sp.add_argument("--eval-blocks", default="16", help="comma-separated block sizes to evaluate")
     sp.set_defaults(func=cmd_drafter)
+
+    sp = sub.add_parser("evaluate", help="acceptance of a target/drafter pair on the held-out prompts")
+    common(sp)
+    sp.add_argument("--target", default=str(TARGET_DIR))
+    sp.add_argument("--drafter", default=str(DRAFTER_DIR))
+    sp.add_argument("--eval-prompts", type=int, default=corpus.NUM_PROMPTS)
+    sp.add_argument("--eval-blocks", default="16,8,4")
+    sp.add_argument("--update-log", action="store_true", help="write the numbers into the drafter's training log")
+    sp.set_defaults(func=cmd_evaluate)
 
     args = p.parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")

@@ -170,3 +170,37 @@ def test_a_failed_file_write_keeps_the_previous_file(writer, name, fault, tmp_pa
 
     assert path.read_text() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == [name], "a temporary file was left behind"
+
+
+def training_log(path, value):
+    from dflash_lab.train import write_json
+
+    write_json(path, {"value": value})
+
+
+def heldout_prompts(path, value):
+    from dflash_lab.corpus import save_prompts
+
+    save_prompts([{"text": value}], path)
+
+
+def distill_data(path, value):
+    import numpy as np
+
+    from dflash_lab.train import save_distill_data
+
+    save_distill_data({16: np.full((2, 16), len(value), dtype=np.uint16)}, path)
+
+
+@pytest.mark.parametrize("writer, name", [(training_log, "training_log.json"), (heldout_prompts, "heldout_prompts.json"),
+                                          (distill_data, "distill.safetensors")], ids=["train-log", "prompts", "distill-data"])
+def test_training_writers_are_atomic(writer, name, tmp_path, monkeypatch):
+    path = tmp_path / name
+    writer(path, "old")
+    before = path.read_bytes()
+    monkeypatch.setattr(os, "replace", raise_boom)
+    with pytest.raises(Boom):
+        writer(path, "newer")
+    monkeypatch.undo()
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == [name], "a temporary file was left behind"
