@@ -285,7 +285,7 @@ def lm_loss(model, windows: torch.Tensor, batch_size: int, autocast: bool) -> fl
         total += loss.item()
         count += ids[:, 1:].numel()
     model.train(was_training)
-    return total / count
+    return total / count if count else math.nan
 
 
 def fixed_windows(stream: np.ndarray, length: int, limit: int | None, device) -> torch.Tensor:
@@ -355,7 +355,8 @@ def train_target(vocab_size: int, streams: dict, cfg: TargetTrainConfig, device:
     if device.type == "cuda":
         torch.cuda.synchronize()
     train_time = time.perf_counter() - loop_start
-    model.load_state_dict(best[1])
+    if best[1] is not None:  # the state with the lowest held-out loss
+        model.load_state_dict(best[1])
     model.eval()
     # Final numbers on the bf16-rounded weights that ship, over ALL held-out tokens.
     model = model.to(torch.bfloat16).float()
