@@ -149,21 +149,51 @@ def visibility_mask_figure(mask, *, query_positions, key_positions, context_len:
     return fig
 
 
+# Where a drafter tensor belongs, by its vLLM checkpoint name (first match wins).
+PARAMETER_GROUPS = [
+    ("self_attn.qkv_proj", "attention: qkv"),
+    ("self_attn.o_proj", "attention: output"),
+    ("self_attn.g_proj", "attention: gate"),
+    ("mlp.", "MLP"),
+    ("fc.", "fc: target features -> context"),
+    ("", "norms"),
+]
+
+
 def parameter_table_figure(rows, *, title: str | None = None) -> go.Figure:
-    """``rows`` of (name, shape, count) as a table, with a total line."""
+    """``rows`` of (name, shape, count): a table with a total line, and under it
+    the parameter count per kind of tensor (attention, MLP, fc, norms) as bars."""
+    from plotly.subplots import make_subplots
+
     rows = list(rows)
     total = sum(int(r[2]) for r in rows)
-    names = [r[0] for r in rows] + ["<b>total</b>"]
-    shapes = [" × ".join(map(str, r[1])) for r in rows] + [""]
-    counts = [f"{int(r[2]):,}" for r in rows] + [f"<b>{total:,}</b>"]
-    fig = go.Figure(go.Table(
+    by_group: dict[str, int] = {}
+    for name, _, count in rows:
+        group = next(label for key, label in PARAMETER_GROUPS if key in name)
+        by_group[group] = by_group.get(group, 0) + int(count)
+    by_group = {label: by_group[label] for _, label in PARAMETER_GROUPS if label in by_group}
+    table_height = 40 + 24 * (len(rows) + 1)
+    bars_height = 60 + 30 * len(by_group)
+    fig = make_subplots(rows=2, cols=1, specs=[[{"type": "table"}], [{"type": "xy"}]],
+                        row_heights=[table_height, bars_height], vertical_spacing=0.04)
+    fig.add_trace(go.Table(
         header=dict(values=["tensor (vLLM checkpoint name)", "shape", "parameters"],
                     fill_color=PALETTE["grey"], font=dict(color="white"), align="left"),
-        cells=dict(values=[names, shapes, counts], align=["left", "left", "right"]),
+        cells=dict(values=[[r[0] for r in rows] + ["<b>total</b>"],
+                           [" × ".join(map(str, r[1])) for r in rows] + [""],
+                           [f"{int(r[2]):,}" for r in rows] + [f"<b>{total:,}</b>"]],
+                   align=["left", "left", "right"], height=24),
         columnwidth=[4, 2, 1.4],
-    ))
-    fig.update_layout(title=title or "Drafter parameters", height=min(110 + 26 * len(names), 900),
-                      margin=dict(l=10, r=10, t=50, b=10))
+    ), row=1, col=1)
+    fig.add_trace(go.Bar(
+        orientation="h", y=list(by_group), x=list(by_group.values()), marker_color=PALETTE["blue"],
+        text=[f"{n:,} ({n / max(total, 1):.0%})" for n in by_group.values()], textposition="auto",
+        hovertemplate="%{y}: %{x:,} parameters<extra></extra>",
+    ), row=2, col=1)
+    fig.update_yaxes(autorange="reversed", row=2, col=1)
+    fig.update_xaxes(title_text="parameters", row=2, col=1)
+    fig.update_layout(title=title or "Drafter parameters", showlegend=False,
+                      height=90 + table_height + bars_height, margin=dict(l=10, r=10, t=50, b=10))
     return fig
 
 

@@ -43,8 +43,8 @@ def context_kv_path_explorer(drafter, context, positions) -> widgets.VBox:
     from dflash_lab import viz
     from dflash_lab.drafter import CONTEXT_KV_PATHS
 
-    path = widgets.ToggleButtons(options=list(CONTEXT_KV_PATHS), value="reference", description="path")
-    dtype = widgets.ToggleButtons(options=list(CONTEXT_KV_TOLERANCES), value="float32", description="dtype")
+    path = widgets.Dropdown(options=list(CONTEXT_KV_PATHS), value="reference", description="path")
+    dtype = widgets.Dropdown(options=list(CONTEXT_KV_TOLERANCES), value="float32", description="dtype")
     agreement = widgets.HTML()
     copies = {}  # one drafter copy per dtype, made on first use
 
@@ -79,7 +79,7 @@ def context_kv_path_explorer(drafter, context, positions) -> widgets.VBox:
 
     path.observe(redraw, names="value")
     dtype.observe(redraw, names="value")
-    box = widgets.VBox([path, dtype, agreement, fig])
+    box = widgets.VBox([widgets.HBox([path, dtype]), agreement, fig])
     box.path, box.dtype, box.figure, box.agreement = path, dtype, fig, agreement
     return box
 
@@ -116,11 +116,16 @@ def sliding_window_explorer(*, context_len: int = 24, block_size: int = 8, windo
     fig = go.FigureWidget(figure(sliding.value, size.value))
 
     def redraw(*_):
-        size.disabled = not sliding.value
         _redraw_figure_widget(fig, figure(sliding.value, size.value))
 
+    def resize(_):
+        if sliding.value:
+            redraw()
+        else:
+            sliding.value = True  # moving the window switches it on (the checkbox observer redraws)
+
     sliding.observe(redraw, names="value")
-    size.observe(redraw, names="value")
+    size.observe(resize, names="value")
     box = widgets.VBox([widgets.HBox([sliding, size]), summary, fig])
     box.sliding, box.window, box.figure, box.summary = sliding, size, fig, summary
     return box
