@@ -68,10 +68,10 @@ def load_default_pair(device=None, *, dtype: torch.dtype | None = None):
     (bf16 weights, float32 arithmetic: exact greedy decoding on any laptop) and
     the checkpoints' own dtype on an accelerator.
     """
-    from .checkpoint import load_drafter
+    from .checkpoint import load_drafter, resolve_device_and_dtype
     from .target import load_target
 
-    device = torch.device(device) if device is not None else default_device()
+    device, dtype = resolve_device_and_dtype(device if device is not None else default_device(), dtype, "load_default_pair")
     tpath, dpath = target_path(), drafter_path()
     for what, path, env in (("target", tpath, TARGET_ENV), ("drafter", dpath, DRAFTER_ENV)):
         if not path.is_dir():

@@ -11,17 +11,20 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import pickle
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
+from unittest import mock
 
 import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from dflash_lab.assets import load_default_pair
 from dflash_lab.checkpoint import CheckpointError, load_drafter, save_drafter
 from dflash_lab.config import ConfigError, DFlashDrafterConfig
 from dflash_lab.drafter import DFlashLagunaDrafter
@@ -194,6 +197,17 @@ def set_counter(metric: str, value: str) -> Callable[[str], str]:
     return lambda text: re.sub(re.escape(line) + r" \S+", f"{line} {value}", text)
 
 
+def default_pair_with(**env) -> Callable[[Path], object]:
+    """load_default_pair with environment variables set; ``tmp`` in a value is the test's tmp_path."""
+
+    def provoke(tmp: Path):
+        values = {k: v.replace("tmp", str(tmp)) for k, v in env.items()}
+        with mock.patch.dict(os.environ, values):
+            return load_default_pair()
+
+    return provoke
+
+
 class Payload:
     """Unpickling this creates a file: proof that a loader ran a pickle."""
 
@@ -352,6 +366,13 @@ CASES = [
          r"no vllm:spec_decode_num_drafts series has labels \{'model_name': 'qwen'\}"),
     Case("metrics-not-text", lambda tmp: stats_from_prometheus_text(42), TypeError,
          r"text must be the /metrics exposition as str, got int"),
+    # --- the shipped pair, pointed elsewhere --------------------------------------
+    Case("pair-device-env-unknown", default_pair_with(DFLASH_LAB_DEVICE="gpu0"), ValueError, r"DFLASH_LAB_DEVICE='gpu0' is not a torch device"),
+    Case("pair-device-argument-unknown", lambda tmp: load_default_pair(device="gpu0"), ValueError, r"load_default_pair: `device` 'gpu0'"),
+    Case("pair-target-dir-missing", default_pair_with(DFLASH_LAB_TARGET="tmp/nowhere"), FileNotFoundError,
+         r"target checkpoint directory .*nowhere does not exist \(set \$DFLASH_LAB_TARGET"),
+    Case("pair-drafter-dir-missing", default_pair_with(DFLASH_LAB_DRAFTER="tmp/nowhere"), FileNotFoundError,
+         r"drafter checkpoint directory .*nowhere does not exist \(set \$DFLASH_LAB_DRAFTER"),
 ]
 
 
