@@ -127,7 +127,7 @@ def test_atomic_directory_never_shows_a_partial_directory(tmp_path):
     assert seen == [False] and sorted(p.name for p in (tmp_path / "out").iterdir()) == ["a", "b"]
 
 
-# --- the other writers: report pages and benchmark results --------------------------
+# --- the other writers: report pages, benchmark results, training outputs ------------
 
 
 def report_page(path, value):
@@ -140,36 +140,6 @@ def bench_results(path, value):
     from dflash_lab.bench import _write
 
     _write(path.parent, path.stem, {"value": value})
-
-
-def raise_boom(*args, **kwargs):
-    raise Boom("disk full or rename failed")
-
-
-def half_write_text(self, data, *args, **kwargs):
-    with open(self, "w") as f:
-        f.write(data[: len(data) // 2])
-    raise Boom("disk full")
-
-
-@pytest.mark.parametrize("writer, name", [(report_page, "index.html"), (bench_results, "acceptance.json")], ids=["report", "bench"])
-@pytest.mark.parametrize("fault", ["write-fails", "rename-fails"])
-def test_a_failed_file_write_keeps_the_previous_file(writer, name, fault, tmp_path, monkeypatch):
-    path = tmp_path / name
-    writer(path, "old")
-    before = path.read_text()
-    if fault == "write-fails":
-        monkeypatch.setattr("pathlib.Path.write_text", half_write_text)
-        monkeypatch.setattr(os, "fsync", raise_boom)  # the report writes through a file descriptor
-    else:
-        monkeypatch.setattr(os, "replace", raise_boom)
-
-    with pytest.raises(Boom):
-        writer(path, "new")
-    monkeypatch.undo()
-
-    assert path.read_text() == before
-    assert sorted(p.name for p in tmp_path.iterdir()) == [name], "a temporary file was left behind"
 
 
 def training_log(path, value):
@@ -192,15 +162,41 @@ def distill_data(path, value):
     save_distill_data({16: np.full((2, 16), len(value), dtype=np.uint16)}, path)
 
 
-@pytest.mark.parametrize("writer, name", [(training_log, "training_log.json"), (heldout_prompts, "heldout_prompts.json"),
-                                          (distill_data, "distill.safetensors")], ids=["train-log", "prompts", "distill-data"])
-def test_training_writers_are_atomic(writer, name, tmp_path, monkeypatch):
+def raise_boom(*args, **kwargs):
+    raise Boom("disk full or rename failed")
+
+
+def half_write_text(self, data, *args, **kwargs):
+    with open(self, "w") as f:
+        f.write(data[: len(data) // 2])
+    raise Boom("disk full")
+
+
+WRITERS = [
+    (report_page, "index.html"),
+    (bench_results, "acceptance.json"),
+    (training_log, "training_log.json"),
+    (heldout_prompts, "heldout_prompts.json"),
+    (distill_data, "distill.safetensors"),
+]
+
+
+@pytest.mark.parametrize("writer, name", WRITERS, ids=[w.__name__ for w, _ in WRITERS])
+@pytest.mark.parametrize("fault", ["write-fails", "rename-fails"])
+def test_a_failed_file_write_keeps_the_previous_file(writer, name, fault, tmp_path, monkeypatch):
     path = tmp_path / name
     writer(path, "old")
     before = path.read_bytes()
-    monkeypatch.setattr(os, "replace", raise_boom)
+    if fault == "write-fails":  # each writer's way of writing bytes fails half-way
+        monkeypatch.setattr("pathlib.Path.write_text", half_write_text)
+        monkeypatch.setattr(os, "fsync", raise_boom)  # the report writes through a file descriptor
+        monkeypatch.setattr("safetensors.numpy.save_file", half_written_weights)
+    else:
+        monkeypatch.setattr(os, "replace", raise_boom)
+
     with pytest.raises(Boom):
         writer(path, "newer")
     monkeypatch.undo()
+
     assert path.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == [name], "a temporary file was left behind"
