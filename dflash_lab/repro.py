@@ -51,10 +51,10 @@ def rounded(x, digits: int = 4):
     Works through dicts, lists, tuples, numpy arrays and torch tensors; ints,
     strings and bools pass through unchanged.
     """
-    if isinstance(x, bool) or isinstance(x, (int, str)) or x is None:
+    if isinstance(x, (int, str)) or x is None:  # bools are ints
         return x
-    if isinstance(x, float):
-        r = round(x, digits)
+    if isinstance(x, float):  # numpy float64 too: returned as a plain float, so it prints as one
+        r = round(float(x), digits)
         return 0.0 if r == 0 else r  # no "-0.0"
     if isinstance(x, dict):
         return {k: rounded(v, digits) for k, v in x.items()}
