@@ -14,6 +14,7 @@ import random
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -85,8 +86,6 @@ def restore_determinism():
 
 
 def test_seed_everything_repeats_every_generator(restore_determinism):
-    import numpy as np
-
     draws = []
     for _ in range(2):
         seed_everything(7)
@@ -101,6 +100,4 @@ def test_rounded_rounds_floats_in_nested_data_and_tensors():
     data = {"rate": [0.123456, 1 / 3], "n": 3, "t": torch.tensor([0.5, 2 / 3]), "neg": -0.00001, "name": "x"}
     assert rounded(data) == {"rate": [0.1235, 0.3333], "n": 3, "t": [0.5, 0.6667], "neg": 0.0, "name": "x"}
     assert rounded((1.23456, True), 2) == (1.23, True)
-    import numpy as np
-
     assert repr(rounded([np.float64(0.123456)])) == "[0.1235]"
