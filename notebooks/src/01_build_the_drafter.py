@@ -31,6 +31,7 @@ from dflash_lab.config import DFlashDrafterConfig
 from dflash_lab.drafter import DFlashLagunaDrafter
 from dflash_lab.repro import seed_everything
 from dflash_lab.target import build_target, target_forward, target_layer_ids_spread, tiny_laguna_config
+from dflash_lab.widgets import drafter_config_explorer
 
 seed_everything(0)
 
@@ -207,6 +208,16 @@ print("no embed_tokens / lm_head:", not any("embed_tokens" in r[0] or "lm_head" 
 # %%
 # NBVAL_IGNORE_OUTPUT
 viz.parameter_table_figure(rows, title="Laguna DFlash drafter: tensors in vLLM's checkpoint layout")
+
+# %% [markdown]
+# Change the config and watch what vLLM would say and which tensors change. Depth adds
+# whole layers; sliding layers have exactly the tensors of full ones (the window and
+# RoPE are settings, not weights); a per-channel gate makes `g_proj` 64 times wider;
+# mixed layer types are refused.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+drafter_config_explorer(config_dict)
 
 # %% [markdown]
 # ## 6 · One draft block, step by step
