@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from dflash_lab import viz
+from dflash_lab.assets import default_device
 from dflash_lab.checkpoint import CheckpointError, load_drafter, save_drafter
 from dflash_lab.config import DFlashDrafterConfig
 from dflash_lab.drafter import DFlashLagunaDrafter
@@ -137,13 +138,7 @@ for label, target in {
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-try:
-    from dflash_lab.assets import default_device
-except ImportError:  # the lab's device picker, before dflash_lab.assets existed
-    def default_device():
-        return os.environ.get("DFLASH_LAB_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
-
-device = torch.device(default_device())
+device = default_device()  # $DFLASH_LAB_DEVICE, else cuda when there is one, else cpu
 drafter = DFlashLagunaDrafter(cfg).to(device).eval()
 print("device:", device)
 

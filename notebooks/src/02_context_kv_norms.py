@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from dflash_lab import viz
+from dflash_lab.assets import default_device, load_default_pair
 from dflash_lab.config import DFlashDrafterConfig
 from dflash_lab.drafter import DFlashLagunaDrafter, dflash_attention_mask
 from dflash_lab.repro import seed_everything
@@ -46,19 +47,11 @@ seed_everything(0)
 
 # %%
 # NBVAL_IGNORE_OUTPUT
+device = default_device()  # $DFLASH_LAB_DEVICE, else cuda when there is one, else cpu
 try:
-    from dflash_lab.assets import default_device
-except ImportError:  # the lab's device picker, before dflash_lab.assets existed
-    def default_device():
-        return os.environ.get("DFLASH_LAB_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
-
-device = torch.device(default_device())
-try:
-    from dflash_lab.assets import load_default_pair
-
     target, drafter, tokenizer = load_default_pair(device=device)
     weights = "the shipped trained pair"
-except (ImportError, OSError) as missing:  # OSError covers FileNotFoundError
+except FileNotFoundError as missing:
     target = build_target(tiny_laguna_config(), seed=0).to(device)
     drafter = DFlashLagunaDrafter(DFlashDrafterConfig.from_dict({
         "hidden_size": 256, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
