@@ -87,3 +87,11 @@ def make_drafter(drafter_config_dict):
         return drafter.to(dtype).eval()
 
     return make
+
+
+# vLLM picks its platform once, on first use: make it the CPU platform for every
+# test module (the interop and KV-group tests run vLLM on the CPU), unless the
+# caller chose otherwise. The Makefile exports the same.
+import os  # noqa: E402
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
