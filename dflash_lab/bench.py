@@ -377,7 +377,7 @@ def _kernel_ms(fn, device) -> float | None:
 
 
 def xs2_target_times(*, device, block_sizes, context: int, layer_counts=(2, 4), total_layers: int = 40,
-                     progress=print) -> dict:
+                     progress=print, **config_overrides) -> dict:
     """One target forward of B tokens at Laguna-XS.2 shapes, extrapolated to 40 layers.
 
     transformers' LagunaForCausalLM with LagunaConfig's defaults (hidden 2048, 48 heads /
@@ -387,10 +387,13 @@ def xs2_target_times(*, device, block_sizes, context: int, layer_counts=(2, 4), 
     """
     from transformers import DynamicCache, LagunaConfig, LagunaForCausalLM
 
+    from .spec_decode import crop_cache
+
     times = {}
     for n_layers in layer_counts:
         cfg = LagunaConfig(num_hidden_layers=n_layers, layer_types=["full_attention"] * n_layers,
-                           mlp_layer_types=["sparse"] * n_layers, max_position_embeddings=context + 64)
+                           mlp_layer_types=["sparse"] * n_layers, max_position_embeddings=context + 64,
+                           **config_overrides)
         torch.manual_seed(0)
         default = torch.get_default_dtype()
         torch.set_default_dtype(torch.bfloat16)
@@ -410,7 +413,7 @@ def xs2_target_times(*, device, block_sizes, context: int, layer_counts=(2, 4), 
 
                 def step():
                     model(input_ids=block, past_key_values=cache, position_ids=pos, use_cache=True, logits_to_keep=B)
-                    cache.crop(context)
+                    crop_cache(cache, context)  # back to the context for the next timing
 
                 wall = time_ms(step, device, warmup=3, reps=20)
                 kern = _kernel_ms(step, device)
@@ -428,19 +431,22 @@ def xs2_target_times(*, device, block_sizes, context: int, layer_counts=(2, 4), 
             a, b = times[(lo, B)][k], times[(hi, B)][k]
             if a is None or b is None:
                 continue
-            per_layer = (b - a) / (hi - lo)
-            rest = a - lo * per_layer
-            row[kind] = {"per_layer_ms": round(per_layer, 4), "rest_ms": round(rest, 4),
+            per_layer, rest, how = (b - a) / (hi - lo), None, "difference"
+            if per_layer <= 0:  # timing noise: fall back to an upper bound, everything counted per layer
+                per_layer, rest, how = b / hi, 0.0, "ratio"
+            rest = a - lo * per_layer if rest is None else rest
+            row[kind] = {"per_layer_ms": round(per_layer, 4), "rest_ms": round(rest, 4), "extrapolation": how,
                          f"{total_layers}_layers_ms": round(rest + total_layers * per_layer, 4)}
         out["per_block"][B] = row
     return out
 
 
-def xs2_drafter_times(*, device, block_sizes, context: int, layers: int, accepted: float, progress=print) -> dict:
+def xs2_drafter_times(*, device, block_sizes, context: int, layers: int, accepted: float, progress=print,
+                      **shape) -> dict:
     """One drafter step at Laguna-XS.2 shapes: append the accepted tokens' context K/V, one
     block forward over [context ; block], and the target's lm_head on the B-1 drafted positions."""
     dtype = torch.bfloat16
-    drafter = xs2_drafter(layers, device, dtype)
+    drafter = xs2_drafter(layers, device, dtype, **shape)
     cfg = drafter.config
     n_aux = len(cfg.target_layer_ids)
     with torch.device(device):
@@ -540,11 +546,20 @@ def spec_decode(args) -> int:
     if not args.no_projection and device.type == "cuda":
         ctx = args.projection_context
         tau_max = max(r["mean_acceptance_length"] or 1 for r in result["shipped_pair"])
-        target_t = xs2_target_times(device=device, block_sizes=sorted({1, *blocks}), context=ctx, progress=log)
-        drafter_t = xs2_drafter_times(device=device, block_sizes=blocks, context=ctx, layers=args.drafter_layers,
-                                      accepted=tau_max, progress=log)
-        result["projection"] = {"target": target_t, "drafter": drafter_t,
-                                "speedups": project_speedups(result["shipped_pair"], target_t, drafter_t, blocks)}
+        target_t = None
+        for impl in (None, "eager"):  # transformers' default experts kernel (grouped_mm), else its loop
+            try:
+                target_t = xs2_target_times(device=device, block_sizes=sorted({1, *blocks}), context=ctx, progress=log,
+                                            **({"experts_implementation": impl} if impl else {}))
+                break
+            except Exception as e:  # keep the shipped-pair numbers whatever happens here
+                log(f"  target projection with experts_implementation={impl or 'default'} failed: {type(e).__name__}: {e}")
+                result.setdefault("projection_errors", []).append(f"{impl or 'default'}: {type(e).__name__}: {e}")
+        if target_t is not None:
+            drafter_t = xs2_drafter_times(device=device, block_sizes=blocks, context=ctx, layers=args.drafter_layers,
+                                          accepted=tau_max, progress=log)
+            result["projection"] = {"target": target_t, "drafter": drafter_t,
+                                    "speedups": project_speedups(result["shipped_pair"], target_t, drafter_t, blocks)}
     md = spec_decode_markdown(result)
     stem = "spec_decode_quick" if args.quick else "spec_decode"
     paths = _write(Path(args.out), stem, result, md)

@@ -20,6 +20,8 @@ bottom of this file.
 
 from __future__ import annotations
 
+import copy
+import functools
 import math
 
 import torch
@@ -286,6 +288,20 @@ class DFlashLagunaDrafter(nn.Module):
         for layer, ck, cv in zip(self.layers, context_k, context_v):
             h = layer(h, cos, sin, ck, cv, mask)
         return self.norm(h)
+
+
+def with_window(drafter: DFlashLagunaDrafter, window: int | None) -> DFlashLagunaDrafter:
+    """The same drafter (shared weights) whose forward always uses ``window`` (None: full attention).
+
+    The window is a compute-time limit only (the context K/V store stays full),
+    so it can be changed at inference time without touching the weights or the
+    RoPE of the layer type: ``speculative_generate(target, with_window(drafter, 64), ...)``.
+    """
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"window must be a positive integer or None, got {window!r}")
+    view = copy.copy(drafter)  # a new module object over the same submodules and parameters
+    view.forward = functools.partial(DFlashLagunaDrafter.forward, view, window=window)
+    return view
 
 
 # ---------------------------------------------------------------------------

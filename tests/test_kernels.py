@@ -228,3 +228,28 @@ def test_switching_the_kernel_off_on_cuda_uses_torch(make_drafter, monkeypatch):
     kernels.set_fused(False)
     assert not kernels.fused_available(states)
     assert kernels.fused_available(states, fused=True)  # a per-call True still wins
+
+
+# --- the window override ------------------------------------------------------------------
+
+
+def test_with_window_is_the_same_drafter_with_its_attention_cut(make_drafter):
+    from dflash_lab.drafter import with_window
+
+    drafter = make_drafter(2)
+    states, positions = context(12)
+    k, v = drafter.precompute_context_kv(states, positions)
+    g = torch.Generator().manual_seed(0)
+    block = torch.randn(1, 4, drafter.config.hidden_size, generator=g)
+    block_pos = torch.arange(12, 16)[None]
+    windowed = with_window(drafter, 3)
+    assert windowed.layers is drafter.layers  # shared weights, nothing copied
+    assert isinstance(windowed, type(drafter))
+    cut = windowed(block, block_pos, k, v, positions)
+    assert torch.equal(cut, drafter(block, block_pos, k, v, positions, window=3))
+    assert not torch.allclose(cut, drafter(block, block_pos, k, v, positions, window=None))
+    assert torch.equal(with_window(drafter, None)(block, block_pos, k, v, positions),
+                       drafter(block, block_pos, k, v, positions, window=None))
+    for bad in (0, -2, 2.5, True):
+        with pytest.raises(ValueError, match="window must be a positive integer or None"):
+            with_window(drafter, bad)
