@@ -297,18 +297,11 @@ class NoDraft:
 
 
 def _prompts(tokenizer, n: int, max_tokens: int, device) -> list[torch.Tensor]:
-    from . import assets
+    """The first n held-out prompts, each cut to its last max_tokens tokens."""
+    from .assets import heldout_prompts
 
-    if hasattr(assets, "heldout_prompts"):
-        texts = [p if isinstance(p, str) else p["text"] for p in assets.heldout_prompts()]
-    else:
-        data = json.loads((Path(__file__).resolve().parent.parent / "checkpoints" / "heldout_prompts.json").read_text())
-        texts = [p["text"] for p in data["prompts"]]
-    ids = []
-    for text in texts[:n]:
-        enc = tokenizer(text, return_tensors="pt")["input_ids"] if callable(tokenizer) else torch.tensor([tokenizer.encode(text).ids])
-        ids.append(enc[:, -max_tokens:].to(device))
-    return ids
+    return [tokenizer(p["text"], return_tensors="pt")["input_ids"][:, -max_tokens:].to(device)
+            for p in heldout_prompts()[:n]]
 
 
 def measure_shipped_pair(*, device, n_prompts: int, max_new_tokens: int, block_sizes, progress=print) -> list[dict]:

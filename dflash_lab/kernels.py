@@ -18,7 +18,8 @@ on the raw context and applies 1/rms in the epilogue, where it costs nothing.
 Numerics follow Laguna's modules exactly: the K-norm normalises in float32,
 casts to the input dtype, then multiplies by the weight; RoPE runs in the input
 dtype with cos/sin computed in float32 from the positions (as
-``drafter.rope_cos_sin`` does) and rounded to it.
+``drafter.rope_cos_sin`` does) and rounded to it. On an H200 the epilogue moves
+about 4.0 TB/s (benchmarks/context_kv.md).
 
 Whether the kernel runs: only on CUDA tensors with Triton installed, unless
 disabled by ``set_fused(False)``, by ``DFLASH_LAB_FUSED=0`` in the environment,
@@ -64,8 +65,11 @@ def fused_enabled() -> bool:
 
 
 def interpreting() -> bool:
-    """True when Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
-    return triton is not None and os.environ.get("TRITON_INTERPRET", "0") == "1"
+    """True when this module's kernels run in Triton's CPU interpreter.
+
+    That is decided when the module is imported: TRITON_INTERPRET=1 must be set before.
+    """
+    return triton is not None and type(_knorm_rope_split_kernel).__name__ == "InterpretedFunction"
 
 
 def fused_available(t: torch.Tensor | None = None, fused: bool | None = None) -> bool:
