@@ -219,12 +219,20 @@ def test_attention_mask_layout():
 # --- on a GPU ------------------------------------------------------------------------------
 
 
+@pytest.fixture
+def no_tf32():
+    """float32 means float32 GEMMs (TF32 would round inputs to 10 mantissa bits)."""
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = before
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("layer_type,rotary_factor", LAYER_FLAVOURS)
 @pytest.mark.parametrize("layers", [1, 5])
-def test_context_kv_paths_agree_on_cuda(make_drafter, layers, layer_type, rotary_factor, monkeypatch):
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)  # float32 means float32 GEMMs
+def test_context_kv_paths_agree_on_cuda(make_drafter, layers, layer_type, rotary_factor, no_tf32):
     cpu = make_drafter(layers, layer_type, seed=20 + layers)
     states, positions = context(1000, start=7)
     cpu_ref = cpu.precompute_context_kv(states, positions, path="reference")
