@@ -577,19 +577,42 @@ def position_weights(block_size: int, gamma: float, device=None) -> torch.Tensor
 def dflash_loss(draft_logits: torch.Tensor, target_logits: torch.Tensor, weights: torch.Tensor):
     """Soft cross-entropy to the target's distribution, weighted by block position.
 
-    draft_logits, target_logits: (..., bs-1, V). Returns (loss, per-position top-1 agreement (bs-1,)).
+    draft_logits, target_logits: (..., bs-1, V); weights: (bs-1,) or (..., bs-1), zero
+    where a block is shorter. Returns (loss, per-position top-1 agreement (bs-1,)).
     """
     logq = F.log_softmax(draft_logits.float(), dim=-1)
     p = F.softmax(target_logits.float(), dim=-1)
     ce = -(p * logq).sum(-1)  # (..., bs-1)
-    ce = ce.reshape(-1, ce.shape[-1]).mean(0)
+    weights = weights.expand_as(ce)
     loss = (ce * weights).sum() / weights.sum()
     agree = (draft_logits.argmax(-1) == target_logits.argmax(-1)).float()
-    return loss, agree.reshape(-1, agree.shape[-1]).mean(0)
+    counted = (weights > 0).float().reshape(-1, ce.shape[-1])
+    return loss, (agree.reshape(-1, ce.shape[-1]) * counted).sum(0) / counted.sum(0).clamp(min=1)
 
 
-def draft_logits_for(target, drafter, ids: torch.Tensor, anchors: torch.Tensor, aux: torch.Tensor, block_size: int):
-    """The drafter's logits for every block: (B, A, bs, V). Context: all of ids, masked per block."""
+def short_block_mask(mask: torch.Tensor, lengths: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Shrink each block of a (B, Q, N+Q) DFlash mask to its first ``lengths`` (B, A) slots.
+
+    Slots past a block's length are hidden as keys, so the slots before them
+    compute exactly what a real block of that length computes: one layout
+    trains every block size up to block_size at once.
+    """
+    B, A = lengths.shape
+    slot = torch.arange(block_size, device=lengths.device)
+    in_block = (slot < lengths[..., None]).flatten(1)  # (B, A*bs)
+    n_ctx = mask.shape[-1] - A * block_size
+    keys = torch.cat([in_block.new_ones(B, n_ctx), in_block], dim=1)  # (B, N+Q)
+    return mask & keys[:, None, :]
+
+
+def draft_logits_for(target, drafter, ids: torch.Tensor, anchors: torch.Tensor, aux: torch.Tensor, block_size: int,
+                     lengths: torch.Tensor | None = None):
+    """The drafter's logits for every block: (B, A, bs, V). Context: all of ids, masked per block.
+
+    lengths (B, A), optional: each block's own length (<= block_size), see short_block_mask.
+    """
+    from .drafter import dflash_attention_mask
+
     B, T = ids.shape
     ctx = drafter.combine_hidden_states(aux).reshape(B * T, -1)  # (B*T, H)
     positions = torch.arange(T, device=ids.device)
@@ -597,7 +620,11 @@ def draft_logits_for(target, drafter, ids: torch.Tensor, anchors: torch.Tensor, 
     k, v = k.unflatten(1, (B, T)), v.unflatten(1, (B, T))  # (L, B, T, nkv, hd)
     block, block_pos = block_inputs(ids, anchors, block_size, drafter.config.mask_token_id)
     noise = target.model.embed_tokens(block)  # (B, A*bs, H)
-    hidden = drafter(noise, block_pos, k, v, positions, block_size=block_size)
+    mask = None
+    if lengths is not None:
+        mask = short_block_mask(dflash_attention_mask(block_pos, positions, block_size, drafter.config.window),
+                                lengths, block_size)
+    hidden = drafter(noise, block_pos, k, v, positions, block_size=block_size, mask=mask)
     return target.lm_head(hidden).unflatten(1, (anchors.shape[1], block_size))  # (B, A, bs, V)
 
 
@@ -615,6 +642,7 @@ class DrafterTrainConfig:
     weight_decay: float = 0.01
     grad_clip: float = 1.0
     gamma: float = 7.0  # position-weight decay (the DFlash paper's value for block 16)
+    short_block_share: float = 0.0  # share of blocks cut to a random length 2..bs-1, so smaller blocks work too
     log_every: int = 20
     seed: int = 0
 
@@ -645,15 +673,26 @@ def freeze(model):
 
 
 def train_drafter(target, data: dict, cfg: DrafterTrainConfig, continuation: int, *, time_budget: float | None = None,
-                  eval_fn=None):
-    """Train a DFlashLagunaDrafter on self-distilled sequences; return (drafter, log)."""
+                  init=None):
+    """Train a DFlashLagunaDrafter on self-distilled sequences; return (drafter, log).
+
+    init: a drafter to continue training (its config wins over cfg's shape fields).
+    """
     from .drafter import DFlashLagunaDrafter
 
     clock = Clock(time_budget)
     device = next(target.parameters()).device
     gen = seed_everything(cfg.seed)
-    dcfg = make_drafter_config(target.config, cfg)
-    drafter = DFlashLagunaDrafter(dcfg).to(device).train()
+    if init is not None:
+        drafter = init.to(device=device, dtype=torch.float32).train()
+        for p in drafter.parameters():
+            p.requires_grad_(True)
+        dcfg = drafter.config
+        if dcfg.block_size != cfg.block_size:
+            raise ValueError(f"the initial drafter was built for block size {dcfg.block_size}, not {cfg.block_size}")
+    else:
+        dcfg = make_drafter_config(target.config, cfg)
+        drafter = DFlashLagunaDrafter(dcfg).to(device).train()
     layer_ids = dcfg.target_layer_ids
     groups = [(P, torch.from_numpy(v.astype(np.int32)).to(device)) for P, v in sorted(data.items())]
     sizes = torch.tensor([g[1].shape[0] for g in groups], dtype=torch.float)
@@ -665,6 +704,7 @@ def train_drafter(target, data: dict, cfg: DrafterTrainConfig, continuation: int
                              {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95),
                             fused=device.type == "cuda")
     log = {"stage": "drafter", "config": asdict(cfg), "drafter_config": dcfg.to_dict(), **device_info(device),
+           "initialised_from": getattr(init, "source", None) if init is not None else None,
            "num_parameters": sum(p.numel() for p in drafter.parameters()),
            "train_sequences": int(sizes.sum()), "loss_curve": [], "accuracy_curve": [], "eval_curve": []}
     total = cfg.steps
@@ -681,9 +721,14 @@ def train_drafter(target, data: dict, cfg: DrafterTrainConfig, continuation: int
         with torch.no_grad():
             aux, last = target_features(target, ids, layer_ids)
             target_logits = target.lm_head(gather_positions(last, label_positions(anchors, bs)))  # (B, A, bs-1, V)
+        lengths, w = None, weights
+        if cfg.short_block_share > 0:
+            short = torch.rand(anchors.shape, generator=gen) < cfg.short_block_share
+            lengths = torch.where(short, torch.randint(2, bs, anchors.shape, generator=gen), bs).to(device)
+            w = weights * (torch.arange(1, bs, device=device) < lengths[..., None])  # (B, A, bs-1)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-            logits = draft_logits_for(target, drafter, ids, anchors, aux, bs)[:, :, 1:]
-        loss, agree = dflash_loss(logits, target_logits, weights)
+            logits = draft_logits_for(target, drafter, ids, anchors, aux, bs, lengths)[:, :, 1:]
+        loss, agree = dflash_loss(logits, target_logits, w)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip)
         opt.step()
@@ -835,12 +880,23 @@ def cmd_drafter(args) -> None:
             save_distill_data(data, args.data)
     print(f"self-distillation data: {data_stats}; {clock.elapsed():.0f}s")
     cfg = DrafterTrainConfig(num_layers=args.layers, block_size=args.block_size, steps=args.steps,
-                             batch_size=args.batch_size, lr=args.lr, seed=args.seed)
+                             batch_size=args.batch_size, lr=args.lr, warmup=args.warmup,
+                             short_block_share=args.short_block_share, seed=args.seed)
+    init = None
+    if args.init:
+        from .checkpoint import load_drafter
+
+        init = load_drafter(args.init, device=device, dtype=torch.float32)
+        init.source = str(args.init)
     blocks = [int(b) for b in args.eval_blocks.split(",")]
     reserve = args.eval_prompts * (0.6 + 0.15 * len(blocks)) + 15  # evaluation and saving
     budget = None if args.time_budget is None else clock.left() - reserve
-    drafter, log = train_drafter(target, data, cfg, dist_cfg.continuation, time_budget=budget)
+    drafter, log = train_drafter(target, data, cfg, dist_cfg.continuation, time_budget=budget, init=init)
     log["data"] = {**data_stats, "config": asdict(dist_cfg)}
+    if init is not None:  # keep the first run's log: it is part of how this drafter came to be
+        previous = Path(args.init) / LOG_NAME
+        if previous.is_file():
+            log["previous_run"] = json.loads(previous.read_text())
     save_drafter(drafter, args.out, dtype=torch.bfloat16)
     write_json(Path(args.out) / LOG_NAME, log)
     print(f"drafter: {log['steps']} steps in {log['train_seconds']:.0f}s "
@@ -926,6 +982,10 @@ def main(argv=None) -> None:
     sp.add_argument("--steps", type=int, default=DrafterTrainConfig.steps)
     sp.add_argument("--batch-size", type=int, default=DrafterTrainConfig.batch_size)
     sp.add_argument("--lr", type=float, default=DrafterTrainConfig.lr)
+    sp.add_argument("--warmup", type=int, default=DrafterTrainConfig.warmup)
+    sp.add_argument("--short-block-share", type=float, default=DrafterTrainConfig.short_block_share,
+                    help="share of blocks trained at a random shorter length (serves smaller block sizes)")
+    sp.add_argument("--init", default=None, help="continue training this drafter checkpoint")
     sp.add_argument("--num-sequences", type=int, default=DistillConfig.num_sequences)
     sp.add_argument("--continuation", type=int, default=DistillConfig.continuation)
     sp.add_argument("--gen-batch", type=int, default=DistillConfig.gen_batch)

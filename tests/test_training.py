@@ -158,6 +158,21 @@ def test_drafter_context_excludes_positions_at_or_after_the_anchor():
         assert not torch.allclose(moved[:, 1], base[:, 1])
 
 
+def test_a_short_block_inside_a_long_layout_drafts_like_a_real_short_block():
+    target = micro_target()
+    _, dcfg = micro_drafter_config(target)  # block size 4
+    drafter = DFlashLagunaDrafter(dcfg).eval()
+    ids = torch.randint(4, VOCAB, (1, 24))
+    anchors = torch.tensor([[6, 12]])
+    aux, _ = train.target_features(target, ids, dcfg.target_layer_ids)
+    with torch.no_grad():
+        mixed = train.draft_logits_for(target, drafter, ids, anchors, aux, 4, lengths=torch.tensor([[2, 4]]))
+        short = train.draft_logits_for(target, drafter, ids, anchors[:, :1], aux, 2)
+        full = train.draft_logits_for(target, drafter, ids, anchors[:, 1:], aux, 4)
+    torch.testing.assert_close(mixed[0, 0, :2], short[0, 0], atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(mixed[0, 1], full[0, 0], atol=1e-5, rtol=1e-4)
+
+
 def test_position_weights_decay_from_one():
     w = train.position_weights(16, gamma=7.0)
     assert w.shape == (15,) and w[0] == 1 and (w[1:] < w[:-1]).all()
@@ -211,7 +226,7 @@ def test_a_few_drafter_steps_reduce_the_loss():
     gen = torch.Generator().manual_seed(0)
     prompts = torch.randint(4, VOCAB, (8, 12), generator=gen)
     seqs = train.greedy_generate(target, prompts, 16)  # self-distilled: the target's own continuations
-    cfg, _ = micro_drafter_config(target, steps=40, lr=3e-3, warmup=5, log_every=1)
+    cfg, _ = micro_drafter_config(target, steps=40, lr=3e-3, warmup=5, log_every=1, short_block_share=0.5)
     drafter, log = train.train_drafter(target, {12: seqs.numpy().astype(np.uint16)}, cfg, continuation=16)
     losses = [c[1] for c in log["loss_curve"]]
     assert losses[-1] < losses[0] - 0.5
