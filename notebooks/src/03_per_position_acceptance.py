@@ -23,68 +23,38 @@
 # from a vLLM server's `/metrics` page.
 
 # %%
-import json
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing in the lab reaches the network
 
-from pathlib import Path
-
 import torch
-from IPython.display import HTML, display
+from IPython.display import HTML
 from tqdm.auto import tqdm
 
-import dflash_lab
 from dflash_lab import viz
-from dflash_lab.config import DFlashDrafterConfig
-from dflash_lab.drafter import DFlashLagunaDrafter
+from dflash_lab.assets import ROOT, default_device, heldout_prompts, load_default_pair
 from dflash_lab.metrics import stats_from_prometheus_text
 from dflash_lab.repro import rounded, seed_everything
 from dflash_lab.spec_decode import generate_on_prompts, speculative_generate
-from dflash_lab.target import build_target, target_layer_ids_spread, tiny_laguna_config
 from dflash_lab.widgets import acceptance_explorer
 
 seed_everything(0)
-REPO = Path(dflash_lab.__file__).resolve().parents[1]
 
 # %% [markdown]
-# The shipped trained pair is used when it is there. Without it the chapter still
-# runs, on **random weights**, and says so in red: the machinery is the same, but a
-# random drafter almost never guesses right, so every acceptance curve is flat at zero.
+# The shipped pair: the tiny Laguna code target and its DFlash drafter, loaded on the
+# lab's device (CUDA when there is one; `DFLASH_LAB_DEVICE` overrides it, and
+# `DFLASH_LAB_TARGET` / `DFLASH_LAB_DRAFTER` point at other checkpoints).
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-try:
-    from dflash_lab.assets import default_device
-except ImportError:  # the lab's device picker, before dflash_lab.assets existed
-    def default_device():
-        return os.environ.get("DFLASH_LAB_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
-
-device = torch.device(default_device())
-try:
-    from dflash_lab.assets import load_default_pair
-
-    target, drafter, tokenizer = load_default_pair(device=device)
-    trained = True
-except (ImportError, OSError) as missing:  # OSError covers FileNotFoundError
-    trained = False
-    target = build_target(tiny_laguna_config(), seed=0).to(device)
-    drafter = DFlashLagunaDrafter(DFlashDrafterConfig.from_dict({
-        "hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "head_dim": 64, "intermediate_size": 768, "layer_types": ["full_attention"] * 2,
-        "draft_vocab_size": 4096, "target_layer_count": 6,
-        "dflash_config": {"target_layer_ids": target_layer_ids_spread(6, 3), "mask_token_id": 3, "block_size": 16},
-    })).to(device).eval()
-    from transformers import PreTrainedTokenizerFast
-
-    tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(REPO / "checkpoints" / "laguna-tiny-code" / "tokenizer.json"))
-    display(HTML(f'<div style="color:#D55E00;font-weight:bold;border:2px solid #D55E00;padding:6px">'
-                 f"⚠ RANDOM weights: the trained pair is not available ({type(missing).__name__}: {missing}). "
-                 "Acceptance will be ~0; the figures show the machinery, not a trained drafter.</div>"))
+device = default_device()
+target, drafter, tokenizer = load_default_pair(device=device)
 print("device:", device)
-print("weights:", "the shipped trained pair" if trained else "RANDOM (untrained) target and drafter")
-print(f"drafter: {drafter.config.num_hidden_layers} layers, trained for blocks of up to {drafter.config.block_size}, "
-      f"reads target layers {drafter.config.target_layer_ids}")
+
+# %%
+cfg = drafter.config
+print(f"drafter: {cfg.num_hidden_layers} layers, trained for blocks of up to {cfg.block_size}, "
+      f"reads target layers {cfg.target_layer_ids}")
 
 # %% [markdown]
 # ## 1 · Held-out prompts
@@ -102,7 +72,7 @@ def encode(text: str) -> list[int]:
     return list(enc)[-PROMPT_TOKENS:]
 
 
-heldout = json.loads((REPO / "checkpoints" / "heldout_prompts.json").read_text())["prompts"]
+heldout = heldout_prompts()
 prompts = [encode(p["text"]) for p in heldout[:8]]
 print(len(heldout), "held-out prompts; using", len(prompts), "of", PROMPT_TOKENS, "tokens each")
 print("from:", [p["source"] for p in heldout[:8]])
@@ -202,7 +172,10 @@ viz.compare_acceptance_figure({"DFlash": dflash[16], "prompt lookup": lookup[16]
 # ## 6 · Block size
 #
 # A longer block offers more tokens per verification but each extra position is
-# harder to get right. vLLM calls `B − 1` `num_speculative_tokens`.
+# harder to get right. vLLM calls `B − 1` `num_speculative_tokens`. Compare position 1
+# across block sizes too: in DFlash the whole block is drafted at once, so the mask
+# tokens after a position are part of its input, and a block shorter or longer than
+# the ones the drafter trained on can change even its first guess.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -280,7 +253,7 @@ explorer
 # subtract a scrape taken before your run (`after − before`) to isolate it.
 
 # %%
-metrics_text = (REPO / "notebooks" / "data" / "vllm_metrics_example.txt").read_text()
+metrics_text = (ROOT / "notebooks" / "data" / "vllm_metrics_example.txt").read_text()
 print([line for line in metrics_text.splitlines() if line.startswith("vllm:spec_decode_num_drafts_total")])
 served = stats_from_prometheus_text(metrics_text)  # both engines, summed
 engine0 = stats_from_prometheus_text(metrics_text, engine=0)  # or select by label
