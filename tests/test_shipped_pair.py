@@ -1,0 +1,42 @@
+"""The shipped pair has learned: greedy DFlash decoding on the held-out prompts accepts long drafts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflash_lab.assets import heldout_prompts, load_default_pair
+from dflash_lab.spec_decode import SpecDecodeStats, speculative_generate
+
+MIN_MEAN_ACCEPTANCE_LENGTH = 2.5  # the shipped pair measures about 3.7 at block 16 on a CPU
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return load_default_pair("cpu")
+
+
+def test_shipped_pair_loads_in_float32_on_the_cpu_and_matches(pair):
+    target, drafter, tokenizer = pair
+    assert next(target.parameters()).dtype == torch.float32 and next(drafter.parameters()).dtype == torch.float32
+    assert drafter.config.block_size == 16 and drafter.config.mask_token_id == tokenizer.mask_token_id
+    assert drafter.config.draft_vocab_size == target.config.vocab_size == len(tokenizer)
+
+
+@pytest.mark.slow
+def test_greedy_dflash_on_heldout_prompts_accepts_long_drafts(pair):
+    target, drafter, tokenizer = pair
+    stats, threads = SpecDecodeStats(), torch.get_num_threads()
+    torch.set_num_threads(1)  # small matmuls: one thread is fastest, and fair to a busy CI box
+    try:
+        for p in heldout_prompts():
+            ids = torch.tensor([tokenizer.encode(p["text"], add_special_tokens=False)])
+            stats = stats + speculative_generate(target, drafter, ids, max_new_tokens=64, block_size=16).stats
+    finally:
+        torch.set_num_threads(threads)
+    rates = " ".join(f"{r:.2f}" for r in stats.per_position_acceptance_rate)
+    print(f"\nmean acceptance length {stats.mean_acceptance_length:.3f} over {stats.num_drafts} drafts; "
+          f"per position {rates}")
+    assert stats.mean_acceptance_length >= MIN_MEAN_ACCEPTANCE_LENGTH
+    # Acceptance can only fall along the block: position i needs every position before it.
+    assert all(a >= b for a, b in zip(stats.per_position_acceptance_rate, stats.per_position_acceptance_rate[1:]))
