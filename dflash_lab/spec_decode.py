@@ -326,8 +326,8 @@ class SpecDecodeStats:
         return diff
 
     def summary(self, digits: int = 3) -> dict:
-        """The headline numbers, rounded (small enough to print in a notebook)."""
-        r = lambda x: round(x, digits) if isinstance(x, float) and math.isfinite(x) else x  # noqa: E731
+        """The headline numbers, rounded (small enough to print in a notebook); None where undefined."""
+        r = lambda x: (round(x, digits) if math.isfinite(x) else None) if isinstance(x, float) else x  # noqa: E731
         return {
             "drafts": self.num_drafts,
             "draft_tokens": self.num_draft_tokens,
@@ -661,3 +661,36 @@ def generate_on_prompts(target, drafter, prompts, *, max_new_tokens: int, seed: 
         results.append(speculative_generate(target, drafter, prompt, max_new_tokens=max_new_tokens,
                                             seed=None if seed is None else seed + i, **kwargs))
     return sum((r.stats for r in results), SpecDecodeStats()), results
+
+
+def main(argv=None) -> None:
+    """Acceptance of the shipped pair on the held-out prompts, DFlash vs prompt lookup:
+
+        python -m dflash_lab.spec_decode --prompts 48 --max-new-tokens 64 --block-sizes 4 8 16
+    """
+    import argparse
+    import json
+
+    from .assets import default_device, heldout_prompts, load_default_pair
+
+    p = argparse.ArgumentParser(description=main.__doc__.splitlines()[0])
+    p.add_argument("--prompts", type=int, default=48, help="held-out prompts to use")
+    p.add_argument("--prompt-tokens", type=int, default=64, help="keep the last N tokens of each prompt")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--block-sizes", type=int, nargs="+", default=[4, 8, 16])
+    p.add_argument("--temperature", type=float, default=0.0)
+    args = p.parse_args(argv)
+    target, drafter, tokenizer = load_default_pair(device=default_device())
+    prompts = [tokenizer(q["text"])["input_ids"][-args.prompt_tokens:] for q in heldout_prompts()[:args.prompts]]
+    rows = []
+    for method, proposer in (("DFlash", drafter), ("prompt lookup", "ngram")):
+        for block in args.block_sizes:
+            stats, _ = generate_on_prompts(target, proposer, prompts, max_new_tokens=args.max_new_tokens, block_size=block,
+                                           temperature=args.temperature, seed=0, desc=f"{method}, block {block}")
+            rows.append({"method": method, "block_size": block, **stats.summary(),
+                         "target_forwards_per_token": round(stats.target_forwards_per_token, 3)})
+            print(json.dumps(rows[-1]), flush=True)
+
+
+if __name__ == "__main__":
+    main()
