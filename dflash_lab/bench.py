@@ -305,8 +305,12 @@ def _prompts(tokenizer, n: int, max_tokens: int, device) -> list[torch.Tensor]:
             for p in heldout_prompts()[:n]]
 
 
-def measure_shipped_pair(*, device, n_prompts: int, max_new_tokens: int, block_sizes, progress=print) -> list[dict]:
-    """tokens/s and target forwards per token: target only, DFlash at each block size, prompt lookup."""
+def measure_shipped_pair(*, device, n_prompts: int, max_new_tokens: int, block_sizes, progress=print,
+                         on_row=None) -> list[dict]:
+    """tokens/s and target forwards per token: target only, DFlash at each block size, prompt lookup.
+
+    on_row(rows), if given, runs after each method (partial results survive a timeout).
+    """
     from tqdm.auto import tqdm
 
     from .assets import load_default_pair
@@ -316,8 +320,8 @@ def measure_shipped_pair(*, device, n_prompts: int, max_new_tokens: int, block_s
     prompts = _prompts(tokenizer, n_prompts, 256, device)
     runs = [("target_only", NoDraft(), 2)] + [(f"dflash_b{b}", drafter, b) for b in block_sizes] + \
            [(f"prompt_lookup_b{b}", "ngram", b) for b in block_sizes]
-    speculative_generate(target, drafter, prompts[0], max_new_tokens=8, block_size=block_sizes[0])  # warm-up
-    speculative_generate(target, NoDraft(), prompts[0], max_new_tokens=8, block_size=2)
+    for proposer, block in ((NoDraft(), 2), (drafter, max(block_sizes)), ("ngram", max(block_sizes))):
+        speculative_generate(target, proposer, prompts[0], max_new_tokens=max_new_tokens, block_size=block)  # warm-up
     reference_outputs, rows = None, []
     for name, proposer, block in runs:
         stats, outputs, wall = SpecDecodeStats(), [], 0.0
@@ -342,9 +346,14 @@ def measure_shipped_pair(*, device, n_prompts: int, max_new_tokens: int, block_s
             "mean_acceptance_length": None if name == "target_only" else round(stats.mean_acceptance_length, 4),
             "per_position_acceptance_rate": None if name == "target_only" else [round(r, 4) for r in stats.per_position_acceptance_rate],
             "outputs_equal_target_only": f"{same}/{len(outputs)}",
+            # where the time goes: eager target forwards vs drafter steps (forward + context K/V append)
+            "target_ms_per_forward": round(1e3 * stats.target_time_s / max(stats.num_target_forwards, 1), 3),
+            "drafter_ms_per_step": round(1e3 * stats.drafter_time_s / max(stats.num_target_forwards - len(prompts), 1), 3),
             "device": device_name(device), "dtype": str(next(target.parameters()).dtype).replace("torch.", ""),
         }
         rows.append(row)
+        if on_row is not None:
+            on_row(rows)
         progress(f"  {name:20s} {row['tokens_per_s']:8.1f} tok/s  fwd/token {row['target_forwards_per_token']:.3f}  "
                  f"tau {row['mean_acceptance_length']}  same as target-only {row['outputs_equal_target_only']}")
     return rows
@@ -491,17 +500,21 @@ def project_speedups(pair_rows, target_t, drafter_t, block_sizes) -> list[dict]:
 
 
 def spec_decode_markdown(result: dict) -> str:
-    pair, proj = result["shipped_pair"], result.get("projection")
-    lines = ["# Speculative decoding speed", "",
-             f"Shipped pair (laguna-tiny-code target + its DFlash drafter) on {pair[0]['device']}, {pair[0]['dtype']}, "
-             f"greedy, {result['n_prompts']} held-out prompts x {result['max_new_tokens']} new tokens. "
-             "Target-only runs the same loop with no drafts.", "",
-             "| method | block | tokens/s | target forwards / token | mean acceptance length | same output as target-only |",
-             "|---|---|---|---|---|---|"]
-    for r in pair:
-        lines.append(f"| {r['method']} | {r['block_size'] or '-'} | {r['tokens_per_s']:.1f} | {r['target_forwards_per_token']:.3f} | "
-                     f"{r['mean_acceptance_length'] if r['mean_acceptance_length'] is not None else '-'} | {r['outputs_equal_target_only']} |")
-    if proj:
+    pair, proj = result.get("shipped_pair", []), result.get("projection")
+    lines = ["# Speculative decoding speed", ""]
+    if pair:
+        lines += [f"Shipped pair (laguna-tiny-code target + its DFlash drafter) on {pair[0]['device']}, {pair[0]['dtype']}, "
+                  f"greedy, {result['n_prompts']} held-out prompts x {result['max_new_tokens']} new tokens, eager PyTorch. "
+                  "Target-only runs the same loop with no drafts.", "",
+                  "| method | block | tokens/s | target forwards / token | mean acceptance length | same output as target-only "
+                  "| ms / target forward | ms / drafter step |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for r in pair:
+            tau = r["mean_acceptance_length"] if r["mean_acceptance_length"] is not None else "-"
+            lines.append(f"| {r['method']} | {r['block_size'] or '-'} | {r['tokens_per_s']:.1f} | "
+                         f"{r['target_forwards_per_token']:.3f} | {tau} | {r['outputs_equal_target_only']} | "
+                         f"{r.get('target_ms_per_forward', '-')} | {r.get('drafter_ms_per_step', '-')} |")
+    if proj and "speedups" in proj:
         t, d = proj["target"], proj["drafter"]
         lines += ["", "## Projected speedup at Laguna-XS.2 scale", "",
                   f"T_target(B): transformers' LagunaForCausalLM at LagunaConfig's defaults (hidden 2048, 48 heads / 8 KV x 128, "
@@ -529,34 +542,42 @@ def spec_decode_markdown(result: dict) -> str:
 def spec_decode(args) -> int:
     device = _pick_device(args.device)
     blocks = args.block_sizes
-    n_prompts = args.prompts or (4 if args.quick else 16)
-    max_new = args.max_new_tokens or (32 if args.quick else 128)
+    n_prompts = args.prompts or (4 if args.quick else 8)
+    max_new = args.max_new_tokens or (32 if args.quick else 96)
     print(f"spec-decode on {device_name(device)}: blocks {blocks}, {n_prompts} prompts x {max_new} tokens", flush=True)
     log = lambda s: print(s, flush=True)  # noqa: E731
-    result = {"n_prompts": n_prompts, "max_new_tokens": max_new,
+    result = {"n_prompts": n_prompts, "max_new_tokens": max_new, "shipped_pair": [],
               "command": "python -m dflash_lab.bench spec-decode" + (" --quick" if args.quick else "")}
-    result["shipped_pair"] = measure_shipped_pair(device=device, n_prompts=n_prompts, max_new_tokens=max_new,
-                                                  block_sizes=blocks, progress=log)
-    if not args.no_projection and device.type == "cuda":
-        ctx = args.projection_context
-        tau_max = max(r["mean_acceptance_length"] or 1 for r in result["shipped_pair"])
-        target_t = None
+    stem = "spec_decode_quick" if args.quick else "spec_decode"
+    out = Path(args.out)
+
+    def save():  # after every section: a timeout keeps what was measured
+        return _write(out, stem, result, spec_decode_markdown(result))
+
+    project = not args.no_projection and device.type == "cuda"
+    target_t = None
+    if project:  # the Laguna-XS.2 target first: it needs no acceptance numbers
         for impl in (None, "eager"):  # transformers' default experts kernel (grouped_mm), else its loop
             try:
-                target_t = xs2_target_times(device=device, block_sizes=sorted({1, *blocks}), context=ctx, progress=log,
+                target_t = xs2_target_times(device=device, block_sizes=sorted({1, *blocks}),
+                                            context=args.projection_context, progress=log,
                                             **({"experts_implementation": impl} if impl else {}))
+                result["projection"] = {"target": target_t}
                 break
-            except Exception as e:  # keep the shipped-pair numbers whatever happens here
+            except Exception as e:  # keep going: the shipped-pair numbers stand on their own
                 log(f"  target projection with experts_implementation={impl or 'default'} failed: {type(e).__name__}: {e}")
                 result.setdefault("projection_errors", []).append(f"{impl or 'default'}: {type(e).__name__}: {e}")
-        if target_t is not None:
-            drafter_t = xs2_drafter_times(device=device, block_sizes=blocks, context=ctx, layers=args.drafter_layers,
-                                          accepted=tau_max, progress=log)
-            result["projection"] = {"target": target_t, "drafter": drafter_t,
-                                    "speedups": project_speedups(result["shipped_pair"], target_t, drafter_t, blocks)}
+        save()
+    measure_shipped_pair(device=device, n_prompts=n_prompts, max_new_tokens=max_new, block_sizes=blocks,
+                         progress=log, on_row=lambda rows: (result.update(shipped_pair=list(rows)), save()))
+    if target_t is not None:
+        tau_max = max(r["mean_acceptance_length"] or 1 for r in result["shipped_pair"])
+        drafter_t = xs2_drafter_times(device=device, block_sizes=blocks, context=args.projection_context,
+                                      layers=args.drafter_layers, accepted=tau_max, progress=log)
+        result["projection"].update(drafter=drafter_t,
+                                    speedups=project_speedups(result["shipped_pair"], target_t, drafter_t, blocks))
+    paths = save()
     md = spec_decode_markdown(result)
-    stem = "spec_decode_quick" if args.quick else "spec_decode"
-    paths = _write(Path(args.out), stem, result, md)
     print(md)
     print("wrote", *paths)
     return 0
@@ -659,8 +680,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("spec-decode", help="tokens/s of the shipped pair, speedup projected to Laguna-XS.2")
     p.add_argument("--quick", action="store_true", help="few prompts, short generations")
     p.add_argument("--block-sizes", type=int, nargs="+", default=[4, 8, 16])
-    p.add_argument("--prompts", type=int, help="held-out prompts (default 16)")
-    p.add_argument("--max-new-tokens", type=int, help="tokens per prompt (default 128)")
+    p.add_argument("--prompts", type=int, help="held-out prompts (default 8)")
+    p.add_argument("--max-new-tokens", type=int, help="tokens per prompt (default 96)")
     p.add_argument("--projection-context", type=int, default=2048, help="KV-cache length of the projection")
     p.add_argument("--drafter-layers", type=int, default=5, help="layers of the projected XS.2 drafter")
     p.add_argument("--no-projection", action="store_true", help="skip the Laguna-XS.2 projection (GPU only)")
