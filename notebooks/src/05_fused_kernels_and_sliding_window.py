@@ -183,7 +183,8 @@ fused_kernel_explorer(drafter, context, positions, records)
 # context before the block and every key of its own block (no causal mask inside a
 # block). With a window `w`, it only sees keys less than `w` positions back. Here a
 # context of 24 tokens, a block of 8, window 8: the first query (the real token)
-# still sees 8 context keys, the last one sees only 1.
+# sees the last 7 context keys, each later query one fewer, and the last one sees
+# no context at all — only its own block.
 
 # %%
 ctx_pos, q_pos = torch.arange(24), torch.arange(24, 32)
@@ -221,9 +222,10 @@ for w, stats in by_window.items():
 viz.window_acceptance_figure(by_window)
 
 # %% [markdown]
-# Short windows hide the prompt's earlier lines from the drafter, and acceptance
-# drops towards what a drafter that sees only the last few tokens can guess; once
-# the window covers the prompt, nothing changes. Turn the window on and off and
+# A window hides the prompt's earlier lines from the drafter: a wide one costs
+# little, a short one leaves only what can be guessed from the last few tokens, and
+# acceptance drops. (This drafter was trained with full attention; one trained with
+# its window would lose less.) Turn the window on and off and
 # move it: the mask on top, the acceptance it gives below (each new window runs
 # the prompts once; the ones above are cached).
 
@@ -237,7 +239,8 @@ window_acceptance_explorer(target, drafter, prompts, block_size=BLOCK, max_new_t
 #
 # - The three context-K/V paths compute the same K and V; the fused kernel keeps the
 #   folded path's one GEMM and replaces every other pass with one read and one write.
-# - At Laguna-XS.2 shapes the fused path runs close to the GEMM alone; the gap that
-#   remains is memory traffic that the layout (L, N, nkv, hd) makes unavoidable.
+# - At Laguna-XS.2 shapes the fused path runs within about 1.2× of the GEMM alone;
+#   what remains is the epilogue's one read and one write of the GEMM output (only
+#   fusing the epilogue into the GEMM itself would remove it).
 # - The sliding window is a compute-time limit: it changes which keys a query sees,
 #   not the cache. Shrinking it below the useful context costs acceptance.
