@@ -218,7 +218,7 @@ def widget_html(model_id: str, models: dict, figures: dict, _depth: int = 0) -> 
     """Static HTML for the widget `model_id`, from its saved state (children recursively)."""
     model = models.get(model_id)
     if model is None or _depth > 50:
-        return '<span class="dflash-w-missing">(widget not in the saved state)</span>'
+        return ""  # closed before the end (a tqdm bar with leave=False): JupyterLab shows nothing either
     name = model.get("model_name", "")
     state = model.get("state", {})
     esc = html.escape
