@@ -23,7 +23,6 @@ def test_shipped_pair_loads_in_float32_on_the_cpu_and_matches(pair):
     assert drafter.config.draft_vocab_size == target.config.vocab_size == len(tokenizer)
 
 
-@pytest.mark.slow
 def test_greedy_dflash_on_heldout_prompts_accepts_long_drafts(pair):
     target, drafter, tokenizer = pair
     stats, threads = SpecDecodeStats(), torch.get_num_threads()
