@@ -595,15 +595,20 @@ def read_training_log(log) -> dict:
     return json.loads(path.read_text())
 
 
+def _acceptance_results(log: dict) -> list[dict]:
+    """The held-out acceptance results in a drafter log, largest block first."""
+    evs = [ev for ev in (log.get("final") or {}).values() if isinstance(ev, dict) and "mean_acceptance_length" in ev]
+    return sorted(evs, key=lambda ev: -ev["block_size"])
+
+
 def _training_summary(log: dict) -> str:
     where = log.get("device_name") or log.get("device", "?")
     parts = [f"{log.get('steps', '?')} steps", f"{log.get('train_seconds', 0):.0f} s on {where}"]
     final = log.get("final") or {}
     if log.get("stage") == "target" and "heldout_loss" in final:
         parts.append(f"held-out loss {final['heldout_loss']:.3f} (ppl {final['heldout_perplexity']:.1f})")
-    for key, ev in sorted(final.items()):
-        if isinstance(ev, dict) and "mean_acceptance_length" in ev:
-            parts.append(f"τ {ev['mean_acceptance_length']:.2f} at block {ev['block_size']}")
+    for ev in _acceptance_results(log):
+        parts.append(f"τ {ev['mean_acceptance_length']:.2f} at block {ev['block_size']}")
     return ", ".join(parts)
 
 
@@ -634,13 +639,12 @@ def plot_training_log(log, *, title: str | None = None) -> go.Figure:
             fig.add_trace(go.Bar(x=list(range(1, len(last) + 1)), y=last, name="train: top-1 agrees with target",
                                  marker_color=PALETTE["sky"],
                                  hovertemplate="position %{x}: %{y:.2f}<extra>train agreement</extra>"), 1, 2)
-        for key, ev in sorted((log.get("final") or {}).items()):
-            if isinstance(ev, dict) and "per_position_acceptance_rate" in ev:
-                rates = ev["per_position_acceptance_rate"]
-                fig.add_trace(go.Scatter(x=list(range(1, len(rates) + 1)), y=rates, mode="lines+markers",
-                                         name=f"held-out acceptance (block {ev['block_size']})",
-                                         line=dict(color=PALETTE["red"]),
-                                         hovertemplate="position %{x}: %{y:.2f}<extra>held-out</extra>"), 1, 2)
+        colours = [PALETTE["red"], PALETTE["orange"], PALETTE["green"], PALETTE["purple"]]
+        for ev, colour in zip(_acceptance_results(log), colours):
+            rates = ev["per_position_acceptance_rate"]
+            fig.add_trace(go.Scatter(x=list(range(1, len(rates) + 1)), y=rates, mode="lines+markers",
+                                     name=f"held-out acceptance (block {ev['block_size']})", line=dict(color=colour),
+                                     hovertemplate="position %{x}: %{y:.2f}<extra>held-out</extra>"), 1, 2)
         fig.update_xaxes(title_text="block position j", row=1, col=2)
         fig.update_yaxes(title_text="rate", range=[0, 1], row=1, col=2)
     fig.update_layout(title=title or f"{stage} training: {_training_summary(log)}", height=380,
