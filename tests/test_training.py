@@ -231,3 +231,14 @@ def test_a_few_drafter_steps_reduce_the_loss():
     losses = [c[1] for c in log["loss_curve"]]
     assert losses[-1] < losses[0] - 0.5
     assert isinstance(drafter.config, DFlashDrafterConfig) and drafter.config.block_size == 4
+
+
+def test_training_logs_of_the_shipped_pair_plot():
+    from dflash_lab.assets import DEFAULT_DRAFTER
+    from dflash_lab.viz import plot_training_log
+
+    target_fig = plot_training_log(DEFAULT_TARGET)
+    assert "held-out loss" in target_fig.layout.title.text and len(target_fig.data[0].x) > 5
+    drafter_fig = plot_training_log(DEFAULT_DRAFTER)
+    names = [t.name for t in drafter_fig.data]
+    assert "held-out acceptance (block 16)" in names and "τ" in drafter_fig.layout.title.text
