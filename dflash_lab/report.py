@@ -162,18 +162,16 @@ def execute_notebook(
     return nb, figures
 
 
-def slow_cells_without_progress(nb, threshold: float) -> list[tuple[int, float]]:
-    """(cell index, seconds) for cells that ran longer than `threshold` and showed no progress bar."""
-    slow = []
+def cell_timings(nb) -> list[tuple[int, float, bool]]:
+    """(cell index, seconds, showed a progress bar) for every code cell that ran (record_timing)."""
+    timings = []
     for i, cell in enumerate(nb.cells):
         timing = cell.get("metadata", {}).get("execution", {})
         start, end = timing.get("iopub.execute_input"), timing.get("shell.execute_reply")
-        if cell.cell_type != "code" or not (start and end):
-            continue
-        seconds = _iso_seconds(end) - _iso_seconds(start)
-        if seconds > threshold and not any(_is_progress_bar(o) for o in cell.outputs):
-            slow.append((i, seconds))
-    return slow
+        if cell.cell_type == "code" and start and end:
+            seconds = _iso_seconds(end) - _iso_seconds(start)
+            timings.append((i, seconds, any(_is_progress_bar(o) for o in cell.outputs)))
+    return timings
 
 
 def _iso_seconds(stamp: str) -> float:
@@ -405,7 +403,8 @@ class Entry:
     html_name: str = ""
     size: int = 0
     error: str = ""
-    slow: list = field(default_factory=list)
+    slowest: tuple = ()  # (cell index, seconds)
+    slow: list = field(default_factory=list)  # (cell index, seconds) of slow cells without a progress bar
 
 
 def notebook_title(path: Path) -> str:
@@ -426,6 +425,8 @@ def index_html(entries: list[Entry]) -> str:
         link = f'<a href="{html.escape(e.html_name)}">{name}</a>' if e.ok else name
         status = "ok" if e.ok else f'<span class="failed">FAILED</span><pre>{html.escape(e.error[-3000:])}</pre>'
         note = "".join(f"<div>cell {i}: {s:.0f}s without a progress bar</div>" for i, s in e.slow)
+        if e.slowest:
+            note += f"<div>slowest: cell {e.slowest[0]}, {e.slowest[1]:.0f}s</div>"
         rows.append(
             f"<tr><td>{link}</td><td>{html.escape(e.title)}</td><td>{status}{note}</td>"
             f"<td>{e.seconds:.0f}s</td><td>{e.size / 1e6:.1f} MB</td></tr>"
@@ -467,7 +468,9 @@ def build_report(notebooks: list[Path], out: Path, *, timeout: float, slow_cell:
         start = time.monotonic()
         try:
             nb, figures = execute_notebook(path, timeout=timeout, dump_figures=True)
-            entry.slow = slow_cells_without_progress(nb, slow_cell)
+            timings = cell_timings(nb)
+            entry.slowest = max(((i, t) for i, t, _ in timings), key=lambda it: it[1], default=())
+            entry.slow = [(i, t) for i, t, progress in timings if t > slow_cell and not progress]
             page = to_html(nb, figures, entry.title)
             write_atomic(target, page)
             entry.ok, entry.size = True, len(page.encode())
@@ -476,6 +479,9 @@ def build_report(notebooks: list[Path], out: Path, *, timeout: float, slow_cell:
             target.unlink(missing_ok=True)  # no stale page for a notebook that no longer runs
             print(f"\nFAILED {exc}", file=sys.stderr)
         entry.seconds = time.monotonic() - start
+        if entry.slowest:
+            print(f"{path.name}: {entry.seconds:.0f}s, slowest cell {entry.slowest[0]} ({entry.slowest[1]:.0f}s)",
+                  file=sys.stderr)
         for i, s in entry.slow:
             print(f"warning: {path.name} cell {i} ran {s:.0f}s without a progress bar (tqdm.auto)", file=sys.stderr)
         entries.append(entry)
