@@ -413,19 +413,19 @@ def flip(nb: Notebook, control: dict) -> Flip:
     return result
 
 
-def open_and_run(page, server, rel: str, screenshots: Path) -> tuple[Notebook, dict]:
-    nb = Notebook(page, rel, screenshots)
-    page.goto(f"{server.url}/lab/tree/{rel}?token={server.token}&reset")
+def open_and_run(nb: Notebook, server) -> dict:
+    nb.page.goto(f"{server.url}/lab/tree/{nb.path}?token={server.token}&reset")
     nb.wait_ready()
-    return nb, nb.run_all()
+    return nb.run_all()
 
 
 def test_notebook_runs_renders_and_reacts(notebook, lab_server, lab_page, screenshots):
     page, rel, started = lab_page, f"notebooks/{notebook.name}", time.monotonic()
     for old in screenshots.glob(f"{notebook.stem}.*png"):  # no picture from an earlier run passes for this one
         old.unlink()
+    nb = Notebook(page, rel, screenshots)
     try:
-        nb, state = open_and_run(page, lab_server, rel, screenshots)
+        state = open_and_run(nb, lab_server)
 
         # 1. no error outputs; every code cell ran
         if state["errors"]:
@@ -460,8 +460,11 @@ def test_notebook_runs_renders_and_reacts(notebook, lab_server, lab_page, screen
         print(f"{rel}: {len(found['plots'])} figure(s), {len(controls)} control(s); run all "
               f"{nb.timings['run_all']:.0f}s, whole test {time.monotonic() - started:.0f}s")
     except BaseException:
-        with contextlib.suppress(Exception):  # a picture of the failure
-            page.screenshot(path=str(screenshots / f"{notebook.stem}.FAILED.png"))
+        try:  # a picture of the failure: the whole notebook if it is open, else the window
+            nb.screenshot(f"{notebook.stem}.FAILED.png")
+        except Exception:
+            with contextlib.suppress(Exception):
+                page.screenshot(path=str(screenshots / f"{notebook.stem}.FAILED.png"))
         raise
 
 
@@ -503,7 +506,8 @@ def test_the_checks_catch_broken_figures_and_dead_controls(lab_server, lab_page,
     (lab_server.root / "selftest").mkdir(exist_ok=True)
     nbformat.write(nbk, lab_server.root / rel)
 
-    nb, state = open_and_run(lab_page, lab_server, rel, screenshots)
+    nb = Notebook(lab_page, rel, screenshots)
+    state = open_and_run(nb, lab_server)
     assert not state["errors"] and state["done"] == len(BROKEN_CELLS), state
     problems, _ = wait_rendered(nb, timeout=15)
     nb.screenshot("selftest.broken_figures.png")
