@@ -14,12 +14,15 @@ Then nbconvert's HTML exporter (JupyterLab's look) writes ``reports/NAME.html``:
   sliders, dropdowns and toggles at their values, progress bars, HTML, and each
   plotly ``FigureWidget`` with the figure the kernel last held. (The 5 MB
   JavaScript bundle each FigureWidget carries is left out of the saved state.)
+  Nothing is fetched from the network, except MathJax for LaTeX in markdown,
+  which nbconvert's template loads from its CDN when there is one.
 
 ``reports/index.html`` links the pages. A notebook that fails prints the
 failing cell's traceback, gets no page (a stale one is removed), and makes the
 exit status 1. Every file is written to a temporary name and renamed, so no
-half-written report is ever left behind. Cells that ran longer than
-``--slow-cell`` seconds without showing a progress bar are listed as warnings.
+half-written report is ever left behind. Each notebook's slowest cell is
+printed, and cells that ran longer than ``--slow-cell`` seconds without
+showing a progress bar are listed as warnings.
 """
 
 from __future__ import annotations
@@ -27,7 +30,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import html
-import json
 import os
 import re
 import sys
