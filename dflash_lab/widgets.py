@@ -13,8 +13,7 @@ import ipywidgets as widgets
 # Chapter 1-2: the drafter and its context K/V
 # ---------------------------------------------------------------------------
 
-# The agreement tolerances: (max abs, mean abs) per dtype name.
-CONTEXT_KV_TOLERANCES = {"float32": (1e-5, None), "bfloat16": (6e-2, 5e-3)}
+CONTEXT_KV_DTYPES = ("float32", "bfloat16")
 
 
 def _redraw_figure_widget(fig_widget, fig) -> None:
@@ -108,10 +107,10 @@ def context_kv_path_explorer(drafter, context, positions) -> widgets.VBox:
     import torch
 
     from dflash_lab import viz
-    from dflash_lab.drafter import CONTEXT_KV_PATHS
+    from dflash_lab.drafter import CONTEXT_KV_PATHS, context_kv_agreement
 
     path = widgets.Dropdown(options=list(CONTEXT_KV_PATHS), value="reference", description="path")
-    dtype = widgets.Dropdown(options=list(CONTEXT_KV_TOLERANCES), value="float32", description="dtype")
+    dtype = widgets.Dropdown(options=list(CONTEXT_KV_DTYPES), value="float32", description="dtype")
     agreement = widgets.HTML()
     copies = {}  # one drafter copy per dtype, made on first use
 
@@ -129,10 +128,9 @@ def context_kv_path_explorer(drafter, context, positions) -> widgets.VBox:
 
     def figure(path_name, dtype_name):
         (k, v), (k_ref, v_ref), ms = compute(path_name, dtype_name)
-        errors = [(a.float() - b.float()).abs() for a, b in ((k, k_ref), (v, v_ref))]
-        max_tol, mean_tol = CONTEXT_KV_TOLERANCES[dtype_name]
-        ok = all(e.max() <= max_tol and (mean_tol is None or e.mean() <= mean_tol) for e in errors)
-        rule = f"max ≤ {max_tol:g}" + (f", mean ≤ {mean_tol:g}" if mean_tol else "")
+        agree = context_kv_agreement((k, v), (k_ref, v_ref))
+        errors, ok, max_tol, mean_tol = agree["errors"], agree["ok"], agree["max_tol"], agree["mean_tol"]
+        rule = f"max ≤ {max_tol:.3g}" + (f", mean ≤ {mean_tol:g}" if mean_tol else "")
         agreement.value = (
             f"<b>{path_name}</b> in {dtype_name}: max |ΔK| = {errors[0].max():.2e}, max |ΔV| = {errors[1].max():.2e} "
             f"(tolerance {rule}) → {'<b>agree</b> ✓' if ok else '<b>DISAGREE</b> ✗'} · {ms:.1f} ms"

@@ -250,3 +250,30 @@ def test_context_kv_paths_agree_on_cuda(make_drafter, layers, layer_type, rotary
                 assert err.max() <= max_tol, (dtype, path, name, err.max().item())
                 if mean_tol is not None:
                     assert err.mean() <= mean_tol, (dtype, path, name, err.mean().item())
+
+
+def test_bf16_tolerance_is_the_issue_bound_at_unit_scale_and_two_steps_past_four():
+    from dflash_lab.drafter import context_kv_tolerance
+
+    assert context_kv_tolerance(torch.bfloat16, 1.0) == (6e-2, 5e-3)
+    assert context_kv_tolerance(torch.bfloat16, 7.1) == (2 * 2.0**-5, 5e-3)  # |K| in [4, 8): step 2**-5
+    assert context_kv_tolerance(torch.float32, 0.5) == (1e-5, None)
+    assert context_kv_tolerance(torch.float32, 8.0)[0] == pytest.approx(8e-5)
+
+
+def test_paths_agree_on_the_shipped_drafter_in_bfloat16():
+    """Trained K-norm weights push |K| past 4; the paths still agree within the package's rule."""
+    from dflash_lab.assets import load_default_pair
+    from dflash_lab.drafter import context_kv_agreement
+    from dflash_lab.target import target_forward
+
+    target, drafter, tokenizer = load_default_pair(device="cpu")
+    ids = torch.tensor([tokenizer.encode("import os\n\ndef main(argv):\n    for name in argv:\n        print(name)\n")])
+    with torch.no_grad():
+        context = drafter.combine_hidden_states(target_forward(target, ids, drafter.config.target_layer_ids).aux_hidden[0])
+        model = drafter.to(torch.bfloat16)
+        positions = torch.arange(ids.shape[1])
+        ref = model.precompute_context_kv(context.bfloat16(), positions, path="reference")
+        for path in ("batched", "folded"):
+            agreement = context_kv_agreement(model.precompute_context_kv(context.bfloat16(), positions, path=path), ref)
+            assert agreement["ok"], (path, agreement["max_err"], agreement["mean_err"], agreement["max_tol"])

@@ -35,7 +35,8 @@ from dflash_lab.config import DFlashDrafterConfig
 from dflash_lab.drafter import DFlashLagunaDrafter, dflash_attention_mask
 from dflash_lab.repro import seed_everything
 from dflash_lab.target import build_target, target_forward, target_layer_ids_spread, tiny_laguna_config
-from dflash_lab.widgets import CONTEXT_KV_TOLERANCES, context_kv_path_explorer, sliding_window_explorer
+from dflash_lab.drafter import context_kv_agreement
+from dflash_lab.widgets import CONTEXT_KV_DTYPES, context_kv_path_explorer, sliding_window_explorer
 
 seed_everything(0)
 
@@ -156,21 +157,21 @@ viz.k_norm_effect_figure(k_before, k, positions=positions)
 #
 # The paths differ in the order of operations, so they agree to rounding: within
 # 1e-5 in float32; in bfloat16 within 6e-2 at worst and 5e-3 on average (K has unit
-# RMS after K-norm, and a bfloat16 step near 2 is 0.016).
+# RMS after K-norm, and a bfloat16 step near 2 is 0.016). Trained K-norm weights can
+# push |K| past 4, where one bfloat16 step is 2⁻⁵, so there the worst case may be two
+# steps (`context_kv_tolerance`).
 
 # %%
 drafter32 = copy.deepcopy(drafter).float()
 context32 = context.float()
-for dtype_name, (max_tol, mean_tol) in CONTEXT_KV_TOLERANCES.items():
+for dtype_name in CONTEXT_KV_DTYPES:
     dtype = getattr(torch, dtype_name)
     model = drafter32 if dtype == torch.float32 else copy.deepcopy(drafter32).to(dtype)
     with torch.no_grad():
         ref = model.precompute_context_kv(context32.to(dtype), positions, path="reference")
         for path in ("batched", "folded"):
             out = model.precompute_context_kv(context32.to(dtype), positions, path=path)
-            errors = [(a.float() - b.float()).abs() for a, b in zip(out, ref)]
-            ok = all(e.max() <= max_tol and (mean_tol is None or e.mean() <= mean_tol) for e in errors)
-            print(f"{dtype_name:8s} {path:7s} agrees with reference: {ok}")
+            print(f"{dtype_name:8s} {path:7s} agrees with reference: {context_kv_agreement(out, ref)['ok']}")
 
 # %% [markdown]
 # Switch the path and the dtype: the left panel is that path's ‖K‖, the right panel

@@ -21,7 +21,6 @@
 # %%
 import copy
 import json
-import math
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing in the lab reaches the network
@@ -35,7 +34,7 @@ from tqdm.auto import tqdm
 import dflash_lab
 from dflash_lab import bench, kernels, viz
 from dflash_lab.assets import default_device, heldout_prompts, load_default_pair
-from dflash_lab.drafter import CONTEXT_KV_PATHS, dflash_attention_mask, with_window
+from dflash_lab.drafter import CONTEXT_KV_PATHS, context_kv_agreement, dflash_attention_mask, with_window
 from dflash_lab.repro import rounded, seed_everything
 from dflash_lab.spec_decode import generate_on_prompts
 from dflash_lab.target import target_forward
@@ -80,14 +79,6 @@ print("context:", tuple(context.shape), "positions", int(positions[0]), "..", in
 # They must agree: to float32 rounding in float32, within bf16 rounding in bf16.
 
 # %%
-def agrees(out, ref, dtype_name) -> bool:
-    """fp32: within 1e-5 of the scale; bf16: within 6e-2, or two bf16 steps of the largest value."""
-    scale = max(r.abs().max().item() for r in ref)
-    err = max((a.float() - b.float()).abs().max().item() for a, b in zip(out, ref))
-    tol = 1e-5 * scale if dtype_name == "float32" else max(6e-2, 2 ** (math.floor(math.log2(scale)) - 6))
-    return err <= tol
-
-
 variants = [("batched", "batched", None), ("folded", "folded", False)]
 if kernels.fused_available(context):
     variants.append(("folded + Triton", "folded", True))
@@ -98,7 +89,7 @@ for dtype_name in ("float32", "bfloat16"):
         ref = model.precompute_context_kv(ctx, positions, path="reference")
         for name, path, fused in variants:
             out = model.precompute_context_kv(ctx, positions, path=path, fused=fused)
-            print(f"{dtype_name:9s} {name:16s} agrees with the reference: {agrees(out, ref, dtype_name)}")
+            print(f"{dtype_name:9s} {name:16s} agrees with the reference: {context_kv_agreement(out, ref)['ok']}")
 
 # %% [markdown]
 # ## 3 · The fused kernel
