@@ -13,7 +13,7 @@ export VLLM_TARGET_DEVICE ?= cpu
 export PYTHONHASHSEED := 0
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup browser lab report test test-unit test-notebooks bench clean
+.PHONY: setup browser lab report test bench clean
 
 setup: $(STAMP) browser
 
