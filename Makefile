@@ -5,6 +5,7 @@ PYTHON ?= python3.11
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+-include mk/vllm.mk  # .venv-vllm (vLLM's CPU build) and `make serve`
 
 # Offline at run time; vLLM's grouping runs on the CPU.
 export HF_HUB_OFFLINE := 1
@@ -15,7 +16,7 @@ export TOKENIZERS_PARALLELISM := false
 
 .PHONY: setup browser lab report test bench clean
 
-setup: $(STAMP) browser
+setup: $(STAMP) $(VLLM_STAMP) browser
 
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) on PATH (or: make PYTHON=python3)"; exit 1; }
@@ -34,14 +35,14 @@ lab: setup
 	$(VENV)/bin/jupyter lab notebooks/
 
 report: setup
-	$(PY) -m dflash_lab.report --out reports notebooks
+	$(PY) -m dflash_lab.tools.report --out reports notebooks
 
 test: setup
 	$(PY) -m pytest -q tests
 	$(PY) -m pytest -q --nbval --nbval-current-env notebooks/
 
 bench: setup
-	$(PY) -m dflash_lab.bench acceptance
+	$(PY) -m dflash_lab.tools.bench acceptance
 
 clean:
 	rm -rf reports test-output .pytest_cache

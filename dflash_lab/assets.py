@@ -15,50 +15,17 @@ point the lab at other checkpoints, e.g. the real Laguna XS.2 pair on a GPU box:
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-CHECKPOINTS = ROOT / "checkpoints"
-DEFAULT_TARGET = CHECKPOINTS / "laguna-tiny-code"
-DEFAULT_DRAFTER = CHECKPOINTS / "laguna-tiny-code-dflash"
-HELDOUT_PROMPTS = CHECKPOINTS / "heldout_prompts.json"
-
-TARGET_ENV, DRAFTER_ENV, DEVICE_ENV = "DFLASH_LAB_TARGET", "DFLASH_LAB_DRAFTER", "DFLASH_LAB_DEVICE"
+from .runtime import (
+    DEFAULT_DRAFTER, DEFAULT_TARGET, DEVICE_ENV, DRAFTER_ENV, HELDOUT_PROMPTS, TARGET_ENV, drafter_path,
+    load_tokenizer, resolve_device, resolve_device_and_dtype, target_path,
+)
 
 
 def default_device() -> torch.device:
     """$DFLASH_LAB_DEVICE if set, else cuda when available, else cpu."""
-    name = os.environ.get(DEVICE_ENV, "").strip()
-    if name:
-        try:
-            device = torch.device(name)
-        except RuntimeError:
-            raise ValueError(f"{DEVICE_ENV}={name!r} is not a torch device (try cpu, cuda, cuda:1)") from None
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"{DEVICE_ENV}={name!r} asks for CUDA, but torch sees no CUDA device here")
-        return device
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def target_path() -> Path:
-    return Path(os.environ.get(TARGET_ENV) or DEFAULT_TARGET)
-
-
-def drafter_path() -> Path:
-    return Path(os.environ.get(DRAFTER_ENV) or DEFAULT_DRAFTER)
-
-
-def load_tokenizer(path=None):
-    """The target's tokenizer (transformers fast tokenizer, offline)."""
-    from transformers import AutoTokenizer
-
-    path = Path(path) if path is not None else target_path()
-    if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
-        raise FileNotFoundError(f"no tokenizer (tokenizer.json) in {path}")
-    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    return resolve_device(None)
 
 
 def load_default_pair(device=None, *, dtype: torch.dtype | None = None):
@@ -68,7 +35,7 @@ def load_default_pair(device=None, *, dtype: torch.dtype | None = None):
     (bf16 weights, float32 arithmetic: exact greedy decoding on any laptop) and
     the checkpoints' own dtype on an accelerator.
     """
-    from .checkpoint import load_drafter, resolve_device_and_dtype
+    from .checkpoint import load_drafter
     from .target import load_target
 
     device, dtype = resolve_device_and_dtype(device if device is not None else default_device(), dtype, "load_default_pair")

@@ -19,9 +19,6 @@ place, so a failure never leaves a half-written checkpoint behind.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -30,6 +27,7 @@ from safetensors.torch import save_file
 
 from .config import DFlashDrafterConfig, read_json
 from .drafter import DFlashLagunaDrafter
+from .runtime import atomic_directory, resolve_device_and_dtype
 
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
@@ -38,50 +36,6 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
 
 class CheckpointError(ValueError):
     """A checkpoint file is missing, corrupt or does not match the config."""
-
-
-def atomic_directory(out_dir, write) -> Path:
-    """Run ``write(tmp_dir)`` then move tmp_dir to ``out_dir`` (replacing it).
-
-    The previous ``out_dir`` is only removed after the new one is complete; on
-    any failure the temporary directory is deleted and ``out_dir`` is untouched.
-    """
-    out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    old = None
-    try:
-        write(tmp)
-        if out_dir.exists():
-            old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
-            os.replace(out_dir, old)
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if old is not None and not out_dir.exists():
-            os.replace(old, out_dir)  # put the previous checkpoint back
-        raise
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-    return out_dir
-
-
-def atomic_file(path, write) -> Path:
-    """Run ``write(tmp_path)`` then rename tmp_path over ``path``.
-
-    On any failure the temporary file is removed and ``path`` keeps its old
-    content (or stays absent).
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return path
 
 
 def save_drafter(drafter: DFlashLagunaDrafter, out_dir, *, dtype: torch.dtype | None = None) -> None:
@@ -150,27 +104,6 @@ def check_state_dict(expected: dict[str, torch.Tensor], found: dict[str, torch.T
     nonfinite = sorted(n for n, t in found.items() if t.is_floating_point() and not torch.isfinite(t).all())
     if nonfinite:
         raise CheckpointError(f"{source} holds non-finite values (NaN/inf) in {nonfinite}")
-
-
-def resolve_device_and_dtype(device, dtype, caller: str):
-    """``device`` as a torch.device and ``dtype`` as a floating torch.dtype (or None).
-
-    Accepts names (``"cuda:1"``, ``"bfloat16"``) and fails naming the argument,
-    before any file is read.
-    """
-    try:
-        device = torch.device(device)
-    except (RuntimeError, TypeError) as e:
-        raise ValueError(f"{caller}: `device` {device!r} is not a torch device ({e})") from None
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(f"{caller}: `device` {str(device)!r} asked for CUDA, but no CUDA device is available")
-    if isinstance(dtype, str) and dtype != "auto":
-        dtype = getattr(torch, dtype.removeprefix("torch."), dtype)
-    if dtype == "auto":
-        dtype = None
-    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-        raise TypeError(f"{caller}: `dtype` must be a floating torch.dtype or its name, got {dtype!r}")
-    return device, dtype
 
 
 def load_drafter(path, *, device="cpu", dtype=None) -> DFlashLagunaDrafter:

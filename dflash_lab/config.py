@@ -59,7 +59,7 @@ class DFlashDrafterConfig:
     intermediate_size: int  # dense SiLU MLP; drafter layers are never MoE
     layer_types: list[str]  # uniform: all full_attention or all sliding_attention
     draft_vocab_size: int  # == target vocabulary (the lm_head is the target's)
-    target_layer_ids: list[int]  # target layers whose outputs feed the drafter
+    target_layer_ids: list[int]  # target layers whose outputs feed the drafter, ascending (vLLM's order)
     mask_token_id: int  # fills positions 1.. of every block
     block_size: int = 16  # the largest block the drafter was trained for
     target_hidden_size: int | None = None  # fc input is this x len(target_layer_ids)
@@ -67,6 +67,7 @@ class DFlashDrafterConfig:
     rms_norm_eps: float = 1e-6
     rope_parameters: dict = field(default_factory=lambda: json.loads(json.dumps(DEFAULT_ROPE_PARAMETERS)))
     sliding_window: int | None = None  # a compute-time limit; the K/V store stays full
+    causal: bool | None = None  # explicit is_causal / dflash_config.causal; None: vLLM's default by layer type
     gating: bool | str = True  # softplus output gate: True/"per-head" or "per-element"
     attention_bias: bool = False
     hidden_act: str = "silu"
@@ -98,6 +99,18 @@ class DFlashDrafterConfig:
     @property
     def gate_per_head(self) -> bool:
         return self.gating is True or self.gating == "per-head"
+
+    @property
+    def is_causal(self) -> bool:
+        """Causal inside the draft block? vLLM's `_dflash_layer_causal`, first match wins:
+        `is_causal` / `dflash_config.causal` when set, else causal exactly for sliding layers.
+        (Laguna drafters have uniform layer types, so one answer holds for every layer.)"""
+        return self.causal if self.causal is not None else self.is_sliding
+
+    @property
+    def aux_hidden_state_layer_ids(self) -> list[int]:
+        """vLLM's `eagle_aux_hidden_state_layer_ids`: hidden state *entering* layer t+1 = output of layer t."""
+        return [i + 1 for i in self.target_layer_ids]
 
     @property
     def window(self) -> int | None:
@@ -164,15 +177,7 @@ class DFlashDrafterConfig:
         dflash = d.get("dflash_config")
         if not isinstance(dflash, dict):
             raise err("dflash_config", "is missing or not an object" if dflash is None else f"must be an object, got {dflash!r}")
-        ids = dflash.get("target_layer_ids")
-        if ids is None:
-            raise err("dflash_config.target_layer_ids", "is missing")
-        if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-            raise err("dflash_config.target_layer_ids", f"must be a list of integers, got {ids!r}", TypeError)
-        if not ids:
-            raise err("dflash_config.target_layer_ids", "is empty: the drafter needs at least one target layer", ValueError)
-        if any(i < 0 for i in ids) or len(set(ids)) != len(ids):
-            raise err("dflash_config.target_layer_ids", f"must be distinct non-negative layer indices, got {ids}")
+        ids = _target_layer_ids(d, dflash, err)
         mask_id = get_int("mask_token_id", src=dflash, name="dflash_config.mask_token_id", minimum=0)
         if mask_id >= vocab:
             raise err("dflash_config.mask_token_id", f"({mask_id}) is outside the vocabulary (draft_vocab_size {vocab})")
@@ -180,14 +185,14 @@ class DFlashDrafterConfig:
         if isinstance(block, bool) or not isinstance(block, int) or block < 2:
             raise err("dflash_config.block_size", f"must be an integer >= 2, got {block!r}")
 
-        rope = d.get("rope_parameters") or DEFAULT_ROPE_PARAMETERS
-        if not isinstance(rope, dict):
+        rope = d.get("rope_parameters")
+        if rope is not None and not isinstance(rope, dict):
             raise err("rope_parameters", f"must be an object, got {rope!r}", TypeError)
-        if not any(isinstance(v, dict) for v in rope.values()):
-            rope = {layer_types[0]: rope}  # a flat (legacy) dict applies to the drafter's type
-        own = rope.get(layer_types[0])
-        if not isinstance(own, dict):
-            raise err(f"rope_parameters.{layer_types[0]}", "is missing: RoPE must be configured for the drafter's layer type")
+        if "rope_theta" in d and not _positive_number(d["rope_theta"]):
+            raise err("rope_theta", f"must be a positive number, got {d['rope_theta']!r}")
+        # What vLLM serves: transformers' LagunaConfig resolves the RoPE of each layer type
+        # (a flat `rope_theta` lands on full_attention only; sliding keeps its default).
+        own = resolve_rope_parameters(d)[layer_types[0]]
         if own.get("rope_type", "default") != "default":
             raise err(f"rope_parameters.{layer_types[0]}.rope_type", f"{own.get('rope_type')!r} is not supported (only 'default')")
         factor = own.get("partial_rotary_factor", 1.0)
@@ -196,14 +201,16 @@ class DFlashDrafterConfig:
             raise err(f"rope_parameters.{layer_types[0]}.partial_rotary_factor", f"must be in (0, 1], got {factor!r}")
         if int(head_dim * factor) % 2:
             raise err(f"rope_parameters.{layer_types[0]}.partial_rotary_factor", f"gives an odd rotary dim {int(head_dim * factor)} for head_dim {head_dim}")
-        if not isinstance(theta, (int, float)) or isinstance(theta, bool) or theta <= 0:
+        if not _positive_number(theta):
             raise err(f"rope_parameters.{layer_types[0]}.rope_theta", f"must be a positive number, got {theta!r}")
+        rope = {layer_types[0]: {"rope_type": "default", "rope_theta": float(theta), "partial_rotary_factor": float(factor)}}
 
-        window = d.get("sliding_window")
-        if layer_types[0] == "sliding_attention":
-            window = get_int("sliding_window")
-        elif window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
-            raise err("sliding_window", f"must be a positive integer or null, got {window!r}")
+        # transformers' LagunaConfig (and so vLLM) takes an int or no key at all: `null` is refused.
+        if "sliding_window" in d and d["sliding_window"] is None:
+            raise err("sliding_window", "is null, which vLLM cannot read (transformers' LagunaConfig wants an "
+                      "integer): leave the key out for a full-attention drafter", TypeError)
+        window = get_int("sliding_window", required=layer_types[0] == "sliding_attention")
+        causal = _explicit_causal(d, dflash, err)
 
         gating = d.get("gating", True)
         if gating not in GATING_CHOICES or isinstance(gating, (int, float)) and not isinstance(gating, bool):
@@ -221,8 +228,10 @@ class DFlashDrafterConfig:
             layer_types=list(layer_types), draft_vocab_size=vocab, target_layer_ids=list(ids),
             mask_token_id=mask_id, block_size=block,
             target_hidden_size=get_int("target_hidden_size", required=False, default=None),
-            target_layer_count=get_int("target_layer_count", required=False, default=None, minimum=0),
-            rms_norm_eps=float(eps), rope_parameters=rope, sliding_window=window, gating=gating,
+            target_layer_count=get_int("target_layer_count", required=False, minimum=0,
+                                       default=get_int("num_target_layers", src=dflash, required=False, minimum=1,
+                                                       name="dflash_config.num_target_layers")),
+            rms_norm_eps=float(eps), rope_parameters=rope, sliding_window=window, causal=causal, gating=gating,
             attention_bias=bool(d.get("attention_bias", False)), hidden_act=act,
             max_position_embeddings=get_int("max_position_embeddings", required=False, default=4096),
             source=source,
@@ -239,10 +248,22 @@ class DFlashDrafterConfig:
 
     # --- writing -------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        """HF-style config.json that vLLM 0.33's DFlashLagunaForCausalLM reads."""
+        """HF-style config.json that vLLM 0.33's DFlashLagunaForCausalLM reads.
+
+        Absent values are left out, never written as null (vLLM refuses a null window);
+        both layer-id keys are written, and agree.
+        """
         d = asdict(self)
-        d.pop("source")
-        ids, mask, block = d.pop("target_layer_ids"), d.pop("mask_token_id"), d.pop("block_size")
+        for key in ("source", "target_layer_ids", "mask_token_id", "block_size", "causal"):
+            d.pop(key)
+        if d["sliding_window"] is None:
+            d.pop("sliding_window")
+        if d["target_layer_count"] is None:
+            d.pop("target_layer_count")
+        dflash = {"target_layer_ids": list(self.target_layer_ids), "mask_token_id": self.mask_token_id,
+                  "block_size": self.block_size}
+        if self.causal is not None:
+            dflash["causal"] = self.causal
         return {
             "architectures": [ARCHITECTURE],
             "model_type": "laguna",
@@ -250,8 +271,9 @@ class DFlashDrafterConfig:
             "vocab_size": self.draft_vocab_size,  # vLLM sizes the (shared) embedding from this
             "mlp_layer_types": ["dense"] * self.num_hidden_layers,  # vLLM's Laguna layer reads it
             "num_attention_heads_per_layer": [self.num_attention_heads] * self.num_hidden_layers,
-            "dflash_config": {"target_layer_ids": ids, "mask_token_id": mask, "block_size": block},
-            "block_size": block,
+            "eagle_aux_hidden_state_layer_ids": self.aux_hidden_state_layer_ids,
+            "dflash_config": dflash,
+            "block_size": self.block_size,
         }
 
     # --- pairing with a target -------------------------------------------------
@@ -289,3 +311,89 @@ class DFlashDrafterConfig:
             raise ConfigError(
                 f"drafter{where} `target_layer_count` {self.target_layer_count} != target num_hidden_layers {n_layers}"
             )
+
+
+# ---------------------------------------------------------------------------
+# How vLLM resolves the pieces a drafter config can spell in more than one way
+# ---------------------------------------------------------------------------
+
+
+def _positive_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0
+
+
+def _target_layer_ids(d: dict, dflash: dict, err) -> list[int]:
+    """vLLM's `get_eagle3_aux_layers_from_config`: `eagle_aux_hidden_state_layer_ids` wins, else
+    `dflash_config.target_layer_ids` + 1; the target collects them in ascending layer order.
+
+    Returned as target layer ids (the +1 undone), ascending. When both keys are present they
+    must name the same layers: the lab writes both, and refuses a file where they disagree.
+    """
+    key = "dflash_config.target_layer_ids"
+    ids = dflash.get("target_layer_ids")
+    if ids is not None:
+        if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            raise err(key, f"must be a list of integers, got {ids!r}", TypeError)
+        if any(i < 0 for i in ids) or len(set(ids)) != len(ids):
+            raise err(key, f"must be distinct non-negative layer indices, got {ids}")
+    aux = d.get("eagle_aux_hidden_state_layer_ids")
+    if aux is not None:
+        name = "eagle_aux_hidden_state_layer_ids"
+        if not isinstance(aux, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in aux):
+            raise err(name, f"must be a list of integers, got {aux!r}", TypeError)
+        if any(i < 1 for i in aux) or len(set(aux)) != len(aux):
+            raise err(name, f"must be distinct layer ids >= 1 (id L = the hidden state entering layer L), got {aux}")
+        if ids is not None and sorted(aux) != sorted(i + 1 for i in ids):
+            raise err(name, f"{aux} disagrees with `{key}` {ids}: vLLM reads {name} (it wins) and the lab "
+                      f"expects it to equal {key} + 1, i.e. {[i + 1 for i in ids]}")
+        ids = [i - 1 for i in aux] if ids is None else ids
+    if ids is None:
+        raise err(key, "is missing")
+    if not ids:
+        raise err(key, "is empty: the drafter needs at least one target layer", ValueError)
+    return sorted(ids)
+
+
+def _explicit_causal(d: dict, dflash: dict, err) -> bool | None:
+    """`is_causal` and `dflash_config.causal` (vLLM checks them in that order); None when neither is set."""
+    found = {}
+    for name, value in (("is_causal", d.get("is_causal")), ("dflash_config.causal", dflash.get("causal"))):
+        if value is not None:
+            if not isinstance(value, bool):
+                raise err(name, f"must be true or false, got {value!r}", TypeError)
+            found[name] = value
+    if len(set(found.values())) > 1:
+        raise err("is_causal", f"({found['is_causal']}) disagrees with `dflash_config.causal` "
+                  f"({found['dflash_config.causal']}); vLLM would take `is_causal`: set one, or both alike")
+    return next(iter(found.values()), None)
+
+
+def resolve_rope_parameters(d: dict) -> dict[str, dict]:
+    """RoPE per layer type exactly as transformers' LagunaConfig (what vLLM loads) reads ``d``.
+
+    A flat ``rope_theta`` with no ``rope_parameters`` goes to full_attention only: a sliding
+    drafter then runs with the sliding default (theta 10000), whatever the file's value.
+    """
+    from transformers import LagunaConfig  # heavy import, only where a config is read
+
+    keys = ("rope_parameters", "rope_theta", "partial_rotary_factor", "layer_types", "num_hidden_layers",
+            "head_dim", "hidden_size", "num_attention_heads")
+    resolved = LagunaConfig(**{k: d[k] for k in keys if k in d}).rope_parameters
+    if not any(isinstance(v, dict) for v in resolved.values()):
+        resolved = {t: dict(resolved) for t in LAYER_TYPES}
+    return {t: dict(resolved.get(t) or DEFAULT_ROPE_PARAMETERS[t]) for t in LAYER_TYPES}
+
+
+def rope_resolution_table(d: dict) -> list[dict]:
+    """Per layer type: the theta the file spells, the theta vLLM runs, and whether they differ."""
+    resolved = resolve_rope_parameters(d)
+    nested = d.get("rope_parameters") if isinstance(d.get("rope_parameters"), dict) else {}
+    rows = []
+    for t in LAYER_TYPES:
+        in_file = (nested.get(t) or {}).get("rope_theta") if isinstance(nested.get(t), dict) else nested.get("rope_theta")
+        in_file = in_file if in_file is not None else d.get("rope_theta")
+        served = float(resolved[t]["rope_theta"])
+        rows.append({"layer_type": t, "rope_theta_in_file": in_file, "rope_theta_served": served,
+                     "partial_rotary_factor": resolved[t].get("partial_rotary_factor", 1.0),
+                     "differs": in_file is not None and float(in_file) != served})
+    return rows

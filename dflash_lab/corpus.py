@@ -29,6 +29,8 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
+from .runtime import atomic_file
+
 SPLITS = {"heldout": (0, 10), "distill": (10, 20), "train": (20, 100)}  # hash buckets [lo, hi) of 100
 SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__", "lib-dynload"}
 MAX_FILE_BYTES = 512 * 1024  # a few generated tables (unicode data, ...) are bigger and teach nothing
@@ -162,7 +164,6 @@ def save_prompts(prompts: list[dict], path) -> None:
         "python": ".".join(map(str, sys.version_info[:3])),
         "prompts": prompts,
     }
-    from .checkpoint import atomic_file
 
     text = json.dumps(doc, indent=1, ensure_ascii=False) + "\n"
     atomic_file(path, lambda tmp: tmp.write_text(text))

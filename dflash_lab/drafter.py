@@ -2,7 +2,8 @@
 
     target aux hidden states [N, n_aux * H_t]
         -> combine_hidden_states      (per-slice RMSNorm, concat, fc, hidden_norm)   [N, H]
-        -> precompute_context_kv      (every layer's K/V of the context, once)       [L, N, nkv, hd]
+        -> precompute_context_kv      (every layer's K/V of the context, once;
+                                       three paths in context_kv.py)                 [L, N, nkv, hd]
     block = [last token, mask x (B-1)], embedded with the TARGET's embedding table   [B, H]
         -> forward                    (L decoder layers; queries = the block,
                                        keys/values = [context K/V ; block K/V],
@@ -12,70 +13,25 @@
 Parameter names match vLLM 0.33's ``DFlashLagunaForCausalLM`` checkpoint layout
 (``layers.0.self_attn.qkv_proj.weight``, ``fc.weight``, ...), so a state dict of
 this module is a vLLM drafter checkpoint. The drafter owns no embedding and no
-lm_head: both are the target's.
-
-The three context-K/V paths (reference, batched, folded) sit side by side at the
-bottom of this file.
+lm_head: both are the target's. RMSNorm and RoPE come from ``layers.py``.
 """
 
 from __future__ import annotations
 
 import copy
 import functools
-import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .config import DFlashDrafterConfig
-
-CONTEXT_KV_PATHS = ("reference", "batched", "folded")
-
+from .context_kv import compute_context_kv
+from .layers import RMSNorm, apply_rope, rope_cos_sin
 
 # ---------------------------------------------------------------------------
-# Building blocks (Laguna-flavoured)
+# Layers (Laguna-flavoured)
 # ---------------------------------------------------------------------------
-
-
-def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / rms(x) over the last dim, computed in float32, returned in x's dtype."""
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-
-
-class RMSNorm(nn.Module):
-    """Laguna's RMSNorm: normalise in float32, cast back, then scale."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.weight * rms_normalize(x, self.eps)
-
-
-def rope_cos_sin(positions: torch.Tensor, rotary_dim: int, theta: float, dtype: torch.dtype):
-    """cos/sin tables for neox-style RoPE on the first ``rotary_dim`` channels."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, device=positions.device, dtype=torch.float32) / rotary_dim))
-    freqs = positions.float()[..., None] * inv_freq  # (..., rotary_dim/2)
-    emb = torch.cat((freqs, freqs), dim=-1)  # (..., rotary_dim)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate the first cos.shape[-1] channels of x (..., heads, hd); pass the rest.
-
-    cos/sin are (..., rotary_dim) without the heads axis (broadcast over heads).
-    This is Laguna's partial RoPE (rotate_half on the leading channels).
-    """
-    rd = cos.shape[-1]
-    x_rot, x_pass = x[..., :rd], x[..., rd:]
-    x1, x2 = x_rot[..., : rd // 2], x_rot[..., rd // 2 :]
-    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over heads
-    rotated = x_rot * cos + torch.cat((-x2, x1), dim=-1) * sin
-    return torch.cat((rotated, x_pass), dim=-1)
 
 
 class DFlashAttention(nn.Module):
@@ -157,14 +113,17 @@ class DFlashDecoderLayer(nn.Module):
 
 
 def dflash_attention_mask(positions: torch.Tensor, context_positions: torch.Tensor, block_size: int,
-                          window: int | None = None) -> torch.Tensor:
+                          window: int | None = None, *, causal: bool = False) -> torch.Tensor:
     """Boolean (B, Q, N+Q) mask, True where query q may attend to key k.
 
     ``positions`` (B, Q) holds Q = num_blocks * block_size block positions, each
     block contiguous. A query sees (a) context keys strictly before its block's
-    first position and (b) every key of its own block (no causal mask inside a
-    block). With a sliding window, additionally only keys with q_pos - k_pos <
-    window: the window limits compute, the K/V store stays full.
+    first position and (b) keys of its own block: all of them, or with ``causal``
+    only those at or before its own position (vLLM makes sliding drafter layers
+    causal, FIDELITY §1). A sliding ``window`` limits compute, not the K/V store:
+    causal layers see keys with q_pos - k_pos < window (vLLM's window (w, 0));
+    non-causal layers see |q_pos - k_pos| < window in both directions (vLLM's
+    ``_maybe_symmetrize_window`` turns (w, 0) into (w, w)).
     """
     B, Q = positions.shape
     if Q % block_size:
@@ -176,9 +135,13 @@ def dflash_attention_mask(positions: torch.Tensor, context_positions: torch.Tens
     ctx = context_positions[:, None, :] < start[:, :, None]  # (B, Q, N)
     block_id = torch.arange(nb, device=positions.device).repeat_interleave(block_size)
     blk = (block_id[:, None] == block_id[None, :]).expand(B, Q, Q)  # (B, Q, Q)
+    ctx_dist = positions[:, :, None] - context_positions[:, None, :]  # (B, Q, N) q_pos - k_pos
+    blk_dist = positions[:, :, None] - positions[:, None, :]  # (B, Q, Q)
+    if causal:
+        blk = blk & (blk_dist >= 0)
     if window is not None:
-        ctx = ctx & (positions[:, :, None] - context_positions[:, None, :] < window)
-        blk = blk & (positions[:, :, None] - positions[:, None, :] < window)
+        ctx = ctx & (ctx_dist.abs() < window)
+        blk = blk & (blk_dist.abs() < window)  # |q - k| < w; for causal layers k <= q already holds
     return torch.cat([ctx, blk], dim=-1)
 
 
@@ -201,7 +164,6 @@ class DFlashLagunaDrafter(nn.Module):
         self.fc = nn.Linear(n_aux * config.target_hidden_size, config.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self._buffers_key = None  # what the stacked/folded context-K/V buffers were built from
         self.reset_parameters()
 
     @torch.no_grad()
@@ -237,26 +199,21 @@ class DFlashLagunaDrafter(nn.Module):
         normed = torch.stack([norm(slices[..., i, :]) for i, norm in enumerate(self.aux_hidden_norms)], dim=-2)
         return self.hidden_norm(self.fc(normed.flatten(-2)))
 
-    # --- step 2: context K/V (three paths at the bottom of the file) -----------
+    # --- step 2: context K/V (the three paths live in context_kv.py) ------------
     def precompute_context_kv(self, context: torch.Tensor, positions: torch.Tensor, path: str = "folded", *,
                               fused: bool | None = None):
         """Every drafter layer's K (after K-norm and RoPE) and V for the context.
 
         context: (N, H); positions: (N,). Returns K, V each (L, N, nkv, hd).
+        path: one of context_kv.CONTEXT_KV_PATHS ("reference", "batched", "folded").
         fused (folded path only): None = the fused Triton kernel where it can run
         (CUDA, see dflash_lab.kernels), False = torch ops, True = insist on it.
         """
-        if path not in CONTEXT_KV_PATHS:
-            raise ValueError(f"path must be one of {CONTEXT_KV_PATHS}, got {path!r}")
         if context.dim() != 2 or context.shape[-1] != self.config.hidden_size:
             raise ValueError(f"context must be (N, {self.config.hidden_size}), got {tuple(context.shape)}")
         if positions.shape != context.shape[:1]:
             raise ValueError(f"positions must be ({context.shape[0]},), got {tuple(positions.shape)}")
-        if path == "folded":
-            return context_kv_folded(self, context, positions, fused=fused)
-        if fused:
-            raise ValueError(f"fused=True applies to the folded path only, got path={path!r}")
-        return {"reference": context_kv_reference, "batched": context_kv_batched}[path](self, context, positions)
+        return compute_context_kv(self, context, positions, path, fused=fused)
 
     def rope_tables(self, positions: torch.Tensor, dtype: torch.dtype):
         return rope_cos_sin(positions, self.config.rotary_dim, float(self.config.rope.get("rope_theta", 10000.0)), dtype)
@@ -264,7 +221,8 @@ class DFlashLagunaDrafter(nn.Module):
     # --- step 3: one block through the drafter ----------------------------------
     def forward(self, noise_embeds: torch.Tensor, positions: torch.Tensor, context_k: torch.Tensor,
                 context_v: torch.Tensor, context_positions: torch.Tensor, *, block_size: int | None = None,
-                window: int | None | str = "config", mask: torch.Tensor | None = None) -> torch.Tensor:
+                window: int | None | str = "config", causal: bool | str = "config",
+                mask: torch.Tensor | None = None) -> torch.Tensor:
         """Draft hidden states for one or more blocks.
 
         noise_embeds: (B, Q, H) target embeddings of [x_t, mask, mask, ...] per block
@@ -273,6 +231,8 @@ class DFlashLagunaDrafter(nn.Module):
         context_positions: (N,) or (B, N)
         block_size:   tokens per block (default: Q, one block)
         window:       sliding window override (None = full); default from the config
+        causal:       causal inside the block; default vLLM's rule on the config (sliding layers
+                      causal unless `is_causal` / `dflash_config.causal` say otherwise)
         Returns (B, Q, H), after the final norm; feed to the target's lm_head.
         """
         B, Q, _ = noise_embeds.shape
@@ -281,8 +241,10 @@ class DFlashLagunaDrafter(nn.Module):
         if context_k.shape[0] != len(self.layers):
             raise ValueError(f"context K/V hold {context_k.shape[0]} layers, the drafter has {len(self.layers)}")
         window = self.config.window if window == "config" else window
+        causal = self.config.is_causal if causal == "config" else causal
         if mask is None:
-            mask = dflash_attention_mask(positions, context_positions.to(positions.device), block_size or Q, window)
+            mask = dflash_attention_mask(positions, context_positions.to(positions.device), block_size or Q, window,
+                                         causal=causal)
         cos, sin = self.rope_tables(positions, noise_embeds.dtype)
         h = noise_embeds
         for layer, ck, cv in zip(self.layers, context_k, context_v):
@@ -291,125 +253,16 @@ class DFlashLagunaDrafter(nn.Module):
 
 
 def with_window(drafter: DFlashLagunaDrafter, window: int | None) -> DFlashLagunaDrafter:
-    """The same drafter (shared weights) whose forward always uses ``window`` (None: full attention).
+    """The same weights, whose forward always uses ``window`` (None: no window).
 
     The window is a compute-time limit only (the context K/V store stays full),
-    so it can be changed at inference time without touching the weights or the
-    RoPE of the layer type: ``speculative_generate(target, with_window(drafter, 64), ...)``.
+    so it can be changed at inference time: ``speculative_generate(target,
+    with_window(drafter, 64), ...)``. Only the window changes: causality and RoPE stay
+    those of the config. (In vLLM, making a layer sliding also makes it causal and gives
+    it the sliding RoPE entry; this view is a lab experiment, not a config vLLM serves.)
     """
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise ValueError(f"window must be a positive integer or None, got {window!r}")
     view = copy.copy(drafter)  # a new module object over the same submodules and parameters
     view.forward = functools.partial(DFlashLagunaDrafter.forward, view, window=window)
     return view
-
-
-# ---------------------------------------------------------------------------
-# Context K/V precompute: three paths, same result
-# ---------------------------------------------------------------------------
-#
-# reference : a per-layer loop, the readable definition.
-# batched   : vLLM 0.33's structure (_build_context_kv_buffers / _project_context_kv /
-#             _normalize_context_k): stacked weights, one batched RMSNorm of the
-#             context with every layer's input-layernorm weight (L copies of the
-#             context), one bmm, one batched K-norm, RoPE on all layers at once.
-# folded    : ours. RMSNorm(x) * w_l followed by W_l is x_hat @ (W_l * w_l)^T, so
-#             fold every layer's input-layernorm weight into its K/V rows once,
-#             normalise the context ONCE (no weight), run ONE GEMM for all layers'
-#             K and V, then K-norm + RoPE in one pass. On a GPU with Triton the norm
-#             becomes a row scale applied after the GEMM (row scales commute with it)
-#             and the last pass is a single fused kernel (dflash_lab.kernels).
-
-
-def context_kv_tolerance(dtype: torch.dtype, scale: float = 1.0) -> tuple[float, float | None]:
-    """(max, mean) abs error allowed between two context-K/V paths in ``dtype``.
-
-    float32: 1e-5 relative to the largest |value| (at least 1e-5). bfloat16: 6e-2
-    (K has unit RMS after K-norm), widened to two bf16 steps at the largest value
-    when trained K-norm weights push |K| past 4 (a step there is 2**-5): the
-    paths round in different orders, so they may land two steps apart. Mean 5e-3.
-    """
-    if dtype == torch.float32:
-        return 1e-5 * max(1.0, scale), None
-    step = 2.0 ** (math.floor(math.log2(max(scale, 1e-30))) - 7)  # bf16 spacing at `scale`
-    return max(6e-2, 2 * step), 5e-3
-
-
-def context_kv_agreement(out, ref) -> dict:
-    """Compare (K, V) of one path with the reference's under context_kv_tolerance."""
-    errors = [(a.float() - b.float()).abs() for a, b in zip(out, ref)]
-    scale = max(r.abs().max().item() for r in ref)
-    max_tol, mean_tol = context_kv_tolerance(ref[0].dtype, scale)
-    max_err, mean_err = max(e.max().item() for e in errors), max(e.mean().item() for e in errors)
-    ok = max_err <= max_tol and (mean_tol is None or mean_err <= mean_tol)
-    return {"ok": ok, "max_err": max_err, "mean_err": mean_err, "max_tol": max_tol, "mean_tol": mean_tol,
-            "errors": errors}
-
-
-def _build_context_kv_buffers(drafter: DFlashLagunaDrafter, device, dtype) -> dict:
-    """Stacked (batched) and folded weights, rebuilt only when a weight changes."""
-    attns = [layer.self_attn for layer in drafter.layers]
-    params = [p for a in attns for p in (a.qkv_proj.weight, a.k_norm.weight)] + [l.input_layernorm.weight for l in drafter.layers]
-    key = (device, dtype, tuple((p.data_ptr(), p._version) for p in params))
-    if drafter._buffers_key == key:
-        return drafter._context_kv_buffers
-    with torch.no_grad():
-        q = attns[0].q_size
-        kv_w = torch.stack([a.qkv_proj.weight[q:] for a in attns]).to(device, dtype)  # (L, 2*nkv*hd, H)
-        ln_w = torch.stack([l.input_layernorm.weight for l in drafter.layers]).to(device, dtype)  # (L, H)
-        bufs = {
-            "kv_weights": kv_w.contiguous(),
-            "input_layernorm_weights": ln_w.contiguous(),
-            "k_norm_weights": torch.stack([a.k_norm.weight for a in attns]).to(device, dtype).contiguous(),  # (L, hd)
-            # fold in float32, round once: rows ordered (layer, k|v, head, channel)
-            "folded_weight": (torch.stack([a.qkv_proj.weight[q:] for a in attns]).float()
-                              * torch.stack([l.input_layernorm.weight for l in drafter.layers]).float()[:, None, :]
-                              ).flatten(0, 1).to(device, dtype).contiguous(),  # (L*2*nkv*hd, H)
-        }
-        if attns[0].qkv_proj.bias is not None:
-            bufs["kv_biases"] = torch.stack([a.qkv_proj.bias[q:] for a in attns]).to(device, dtype)  # (L, 2*nkv*hd)
-    drafter._context_kv_buffers, drafter._buffers_key = bufs, key
-    return bufs
-
-
-def context_kv_reference(drafter: DFlashLagunaDrafter, context: torch.Tensor, positions: torch.Tensor):
-    cos, sin = drafter.rope_tables(positions, context.dtype)
-    ks, vs = [], []
-    for layer in drafter.layers:
-        k, v = layer.self_attn.project_kv(layer.input_layernorm(context), cos, sin)  # (N, nkv, hd) each
-        ks.append(k)
-        vs.append(v)
-    return torch.stack(ks), torch.stack(vs)  # (L, N, nkv, hd)
-
-
-def context_kv_batched(drafter: DFlashLagunaDrafter, context: torch.Tensor, positions: torch.Tensor):
-    cfg, L, N = drafter.config, len(drafter.layers), context.shape[0]
-    bufs = _build_context_kv_buffers(drafter, context.device, context.dtype)
-    normed = bufs["input_layernorm_weights"][:, None, :] * rms_normalize(context, cfg.rms_norm_eps).unsqueeze(0)  # (L, N, H)
-    kv = torch.bmm(normed, bufs["kv_weights"].transpose(1, 2))  # (L, N, 2*nkv*hd)
-    if "kv_biases" in bufs:
-        kv = kv + bufs["kv_biases"][:, None, :]
-    k, v = kv.view(L, N, 2, cfg.num_key_value_heads, cfg.head_dim).permute(2, 0, 1, 3, 4).contiguous()  # (L, N, nkv, hd)
-    k = bufs["k_norm_weights"][:, None, None, :] * rms_normalize(k, cfg.rms_norm_eps)
-    cos, sin = drafter.rope_tables(positions, context.dtype)
-    return apply_rope(k, cos, sin), v
-
-
-def context_kv_folded(drafter: DFlashLagunaDrafter, context: torch.Tensor, positions: torch.Tensor, *,
-                      fused: bool | None = None):
-    cfg, L, N = drafter.config, len(drafter.layers), context.shape[0]
-    bufs = _build_context_kv_buffers(drafter, context.device, context.dtype)
-    from . import kernels  # the fused GPU epilogue, when Triton can run it
-
-    if kernels.fused_available(context, fused):
-        # 1/rms of each row, ONE GEMM on the raw context, ONE epilogue kernel (row scale,
-        # K-norm, RoPE, K/V split): RMSNorm is a row scale, and row scales commute with GEMMs.
-        return kernels.folded_context_kv(context, bufs["folded_weight"], bufs["k_norm_weights"], positions, cfg,
-                                         bias=bufs.get("kv_biases"))
-    kv = rms_normalize(context, cfg.rms_norm_eps) @ bufs["folded_weight"].T  # ONE GEMM: (N, L*2*nkv*hd)
-    if "kv_biases" in bufs:
-        kv = kv + bufs["kv_biases"].flatten()
-    kv = kv.view(N, L, 2, cfg.num_key_value_heads, cfg.head_dim)
-    cos, sin = drafter.rope_tables(positions, context.dtype)
-    k = bufs["k_norm_weights"][:, None, None, :] * rms_normalize(kv[:, :, 0].transpose(0, 1), cfg.rms_norm_eps)
-    return apply_rope(k, cos, sin).contiguous(), kv[:, :, 1].transpose(0, 1).contiguous()  # (L, N, nkv, hd)

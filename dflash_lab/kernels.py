@@ -1,6 +1,6 @@
 """GPU kernels for the folded context-K/V path.
 
-The folded path (``drafter.context_kv_folded``) is one GEMM of the context with
+The folded path (``context_kv.context_kv_folded``) is one GEMM of the context with
 every layer's K/V rows, input-layernorm weights folded in. Its output,
 viewed (N, L, 2, nkv, hd), still needs three things per layer before it is the
 drafter's context K/V: the K RMSNorm, the (partial) RoPE, and the move from
@@ -18,12 +18,13 @@ on the raw context and applies 1/rms in the epilogue, where it costs nothing.
 Numerics follow Laguna's modules exactly: the K-norm normalises in float32,
 casts to the input dtype, then multiplies by the weight; RoPE runs in the input
 dtype with cos/sin computed in float32 from the positions (as
-``drafter.rope_cos_sin`` does) and rounded to it. On an H200 the epilogue moves
+``layers.rope_cos_sin`` does) and rounded to it. On an H200 the epilogue moves
 about 4.0 TB/s (benchmarks/context_kv.md).
 
-Whether the kernel runs: only on CUDA tensors with Triton installed, unless
-disabled by ``set_fused(False)``, by ``DFLASH_LAB_FUSED=0`` in the environment,
-or per call (``precompute_context_kv(..., fused=False)``). Under
+Whether the kernel runs is decided per call, by the ``fused`` argument of
+``precompute_context_kv`` (and ``fused_available``): None runs it on CUDA
+tensors with Triton installed unless ``DFLASH_LAB_FUSED=0`` is in the
+environment; False never runs it; True insists on it. Under
 ``TRITON_INTERPRET=1`` an explicit ``fused=True`` also runs it on CPU tensors
 (slowly): that is how CI checks the kernel without a GPU.
 """
@@ -34,6 +35,8 @@ import os
 
 import torch
 
+from .layers import rope_inv_freq
+
 try:  # Triton is a GPU-side extra: the package works without it.
     import triton
     import triton.language as tl
@@ -41,26 +44,15 @@ except ImportError:  # pragma: no cover - depends on the machine
     triton = None
 
 ENV_SWITCH = "DFLASH_LAB_FUSED"
-_switch: bool | None = None  # set_fused(); None defers to the environment
 
 
 # ---------------------------------------------------------------------------
-# The switch
+# Whether the kernel runs: per call, no process-wide state
 # ---------------------------------------------------------------------------
-
-
-def set_fused(enabled: bool | None) -> None:
-    """Turn the fused kernel on/off for this process (None: back to $DFLASH_LAB_FUSED)."""
-    global _switch
-    if enabled is not None and not isinstance(enabled, bool):
-        raise TypeError(f"set_fused takes True, False or None, got {enabled!r}")
-    _switch = enabled
 
 
 def fused_enabled() -> bool:
-    """The process-wide setting: set_fused() if called, else $DFLASH_LAB_FUSED (default on)."""
-    if _switch is not None:
-        return _switch
+    """What ``fused=None`` means: $DFLASH_LAB_FUSED (unset: on; 0/false/no/off: off)."""
     return os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
@@ -75,9 +67,11 @@ def interpreting() -> bool:
 def fused_available(t: torch.Tensor | None = None, fused: bool | None = None) -> bool:
     """Whether the fused Triton epilogue should run on tensor ``t``.
 
-    ``fused``: None follows the process-wide setting (on CUDA only); False never;
+    ``fused``: None follows $DFLASH_LAB_FUSED (default on; CUDA only); False never;
     True insists, and raises if the kernel cannot run here.
     """
+    if fused is not None and not isinstance(fused, bool):
+        raise TypeError(f"fused must be True, False or None, got {fused!r}")
     if fused is False or (fused is None and not fused_enabled()):
         return False
     device = t.device.type if t is not None else ("cuda" if torch.cuda.is_available() else "cpu")
@@ -202,10 +196,10 @@ _inv_freq_cache: dict = {}
 
 
 def _inv_freq(rotary_dim: int, theta: float, device) -> torch.Tensor:
-    """RoPE frequencies, computed exactly as drafter.rope_cos_sin computes them."""
+    """RoPE frequencies (layers.rope_inv_freq, the ones rope_cos_sin uses), cached per device."""
     key = (rotary_dim, float(theta), str(device))
     if key not in _inv_freq_cache:
-        _inv_freq_cache[key] = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, device=device, dtype=torch.float32) / rotary_dim))
+        _inv_freq_cache[key] = rope_inv_freq(rotary_dim, theta, device)
     return _inv_freq_cache[key]
 
 
@@ -305,6 +299,6 @@ def epilogue_bytes(n: int, n_layers: int, nkv: int, hd: int, dtype: torch.dtype)
 
 
 __all__ = [
-    "ENV_SWITCH", "set_fused", "fused_enabled", "fused_available", "interpreting",
+    "ENV_SWITCH", "fused_enabled", "fused_available", "interpreting",
     "row_rstd", "knorm_rope_split", "folded_context_kv", "epilogue_bytes",
 ]

@@ -1,11 +1,12 @@
 """Reproducible, offline runs: seeds, deterministic kernels, no network.
 
-Notebooks call ``seed_everything`` in their first code cell so that the small
-numbers nbval compares come out the same on every run on the same machine, and
-print them through ``rounded`` so that a last-bit difference in float32 does not
-show up as a diff:
+Notebooks call ``runtime.seed_everything`` in their first code cell so that the
+small numbers nbval compares come out the same on every run on the same machine,
+and print them through ``rounded`` so that a last-bit difference in float32 does
+not show up as a diff:
 
-    from dflash_lab.repro import seed_everything, rounded
+    from dflash_lab.repro import rounded
+    from dflash_lab.runtime import seed_everything
     seed_everything(0)
     print(rounded(stats.per_position_acceptance_rate))   # [0.8125, 0.5, ...]
 
@@ -19,30 +20,9 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import os
-import random
 import socket
 
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-
-
-def seed_everything(seed: int = 0, *, deterministic: bool = True) -> None:
-    """Seed python, numpy and torch (every device); prefer deterministic kernels.
-
-    ``torch.use_deterministic_algorithms(True, warn_only=True)`` makes torch pick
-    deterministic implementations where it has them and only warn where it has
-    none, so a notebook never fails on a GPU op that lacks one.
-    """
-    import numpy as np
-    import torch
-
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
-        raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS determinism; read at CUDA init
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)  # also seeds every CUDA device
-    if deterministic:
-        torch.use_deterministic_algorithms(True, warn_only=True)
 
 
 def rounded(x, digits: int = 4):

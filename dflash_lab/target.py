@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from transformers import LagunaConfig, LagunaForCausalLM
 
-from .checkpoint import resolve_device_and_dtype
+from .runtime import resolve_device_and_dtype
 
 
 def tiny_laguna_config(vocab_size: int = 4096, **overrides) -> LagunaConfig:
@@ -83,18 +83,22 @@ def load_target(path, *, device="cpu", dtype=None) -> LagunaForCausalLM:
 
 @dataclass
 class TargetOutput:
-    logits: torch.Tensor  # (B, T, V)
+    logits: torch.Tensor | None  # (B, T, V); None with with_logits=False
     aux_hidden: torch.Tensor  # (B, T, len(layer_ids) * H): outputs of the chosen layers
     past_key_values: object  # transformers Cache
+    final_hidden: torch.Tensor | None = None  # (B, T, H) after the final norm; only with with_logits=False
 
 
 def target_forward(target: LagunaForCausalLM, input_ids: torch.Tensor, layer_ids, *, past_key_values=None,
-                   use_cache: bool = True, position_ids: torch.Tensor | None = None) -> TargetOutput:
+                   use_cache: bool = True, position_ids: torch.Tensor | None = None,
+                   with_logits: bool = True) -> TargetOutput:
     """One target forward that also captures the outputs of ``layer_ids``.
 
     The output of layer i is what transformers calls hidden_states[i + 1]; it
     is captured with forward hooks on the decoder layers so that the last
     layer's output is the raw residual stream, not the final-normed state.
+    ``with_logits=False`` skips the LM head and returns the final-normed hidden
+    state instead (drafter training needs the logits at a few positions only).
     """
     layers = target.model.layers
     bad = [i for i in layer_ids if not 0 <= i < len(layers)]
@@ -104,12 +108,15 @@ def target_forward(target: LagunaForCausalLM, input_ids: torch.Tensor, layer_ids
     hooks = [layers[i].register_forward_hook(lambda m, a, out, i=i: captured.__setitem__(i, out[0] if isinstance(out, tuple) else out))
              for i in layer_ids]
     try:
-        out = target(input_ids=input_ids, past_key_values=past_key_values, use_cache=use_cache, position_ids=position_ids)
+        run = target if with_logits else target.model
+        out = run(input_ids=input_ids, past_key_values=past_key_values, use_cache=use_cache, position_ids=position_ids)
     finally:
         for h in hooks:
             h.remove()
     aux = torch.cat([captured[i] for i in layer_ids], dim=-1)
-    return TargetOutput(out.logits, aux, out.past_key_values)
+    if with_logits:
+        return TargetOutput(out.logits, aux, out.past_key_values)
+    return TargetOutput(None, aux, out.past_key_values, final_hidden=out.last_hidden_state)
 
 
 def target_layer_ids_spread(num_target_layers: int, n: int) -> list[int]:

@@ -8,6 +8,11 @@ set and no outputs:
     python notebooks/build_notebooks.py            # all chapters
     python notebooks/build_notebooks.py 03         # chapters whose name starts with 03
     python notebooks/build_notebooks.py --execute  # ... then run them, keeping small printouts
+    python notebooks/build_notebooks.py --keep-outputs  # new sources, the committed printouts kept
+
+``--keep-outputs`` is for edits that cannot change what a cell prints (an import
+line, a comment): each rebuilt code cell keeps the outputs and tags of the
+committed cell with the same id; `pytest --nbval` then checks they still hold.
 
 With ``--execute`` each built notebook runs top to bottom (nbclient, cwd =
 notebooks/, offline) and keeps only what nbval should compare: stdout and
@@ -61,14 +66,21 @@ def split_cells(source: str) -> list[nbformat.NotebookNode]:
     return cells
 
 
-def build(src: Path) -> Path:
+def build(src: Path, *, keep_outputs: bool = False) -> Path:
+    out = HERE / f"{src.stem}.ipynb"
+    old = {c.get("id"): c for c in nbformat.read(out, as_version=4).cells} if keep_outputs and out.exists() else {}
     nb = nbformat.v4.new_notebook()
     nb.metadata["kernelspec"] = KERNELSPEC
     nb.metadata["language_info"] = {"name": "python"}
     nb.cells = split_cells(src.read_text())
     for i, cell in enumerate(nb.cells):
         cell["id"] = f"{src.stem[:2]}-{i:03d}"  # stable ids keep diffs small
-    out = HERE / f"{src.stem}.ipynb"
+        prev = old.get(cell["id"])
+        if cell.cell_type == "code" and prev is not None and prev.cell_type == "code":
+            cell.outputs = prev.outputs
+            cell.execution_count = prev.get("execution_count")  # nbval rejects outputs of an unrun cell
+            if prev.metadata.get("tags"):
+                cell.metadata["tags"] = prev.metadata["tags"]
     nbformat.write(nb, out)
     return out
 
@@ -116,7 +128,7 @@ def keep_small_outputs(nb, name: str) -> nbformat.NotebookNode:
 
 def execute(path: Path) -> None:
     """Run a built notebook in place; keep only its small printouts."""
-    from dflash_lab.report import NotebookFailed, execute_notebook, write_atomic
+    from dflash_lab.tools.report import NotebookFailed, execute_notebook, write_atomic
 
     nb = nbformat.read(path, as_version=4)
     for cell in nb.cells:  # nbclient lets a cell raise only when it is tagged so
@@ -139,10 +151,12 @@ def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description="Build notebooks/NN_name.ipynb from notebooks/src/NN_name.py.")
     parser.add_argument("prefixes", nargs="*", default=[""], help="build the chapters whose name starts with these")
     parser.add_argument("--execute", action="store_true", help="run each built notebook and keep small printouts")
+    parser.add_argument("--keep-outputs", action="store_true",
+                        help="keep each code cell's committed outputs (for edits that change no printout)")
     args = parser.parse_args(argv)
     for src in sorted((HERE / "src").glob("*.py")):
         if any(src.stem.startswith(p) for p in args.prefixes or [""]):
-            out = build(src)
+            out = build(src, keep_outputs=args.keep_outputs)
             print("built", out.relative_to(HERE.parent))
             if args.execute:
                 execute(out)

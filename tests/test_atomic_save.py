@@ -8,8 +8,9 @@ import os
 import pytest
 import torch
 
-from dflash_lab import checkpoint
-from dflash_lab.checkpoint import atomic_directory, load_drafter, save_drafter
+from dflash_lab import checkpoint, runtime
+from dflash_lab.checkpoint import load_drafter, save_drafter
+from dflash_lab.runtime import atomic_directory
 from dflash_lab.config import DFlashDrafterConfig
 from dflash_lab.drafter import DFlashLagunaDrafter
 
@@ -86,7 +87,7 @@ def test_a_failed_save_keeps_the_previous_checkpoint(target, fault, raises, tmp_
     elif target == "json.dumps":
         monkeypatch.setattr(checkpoint.json, "dumps", fault)
     else:
-        monkeypatch.setattr(checkpoint.os, "replace", fault)
+        monkeypatch.setattr(runtime.os, "replace", fault)
 
     with pytest.raises(raises):
         save_drafter(drafter(seed=1), out)
@@ -131,21 +132,21 @@ def test_atomic_directory_never_shows_a_partial_directory(tmp_path):
 
 
 def report_page(path, value):
-    from dflash_lab.report import write_atomic
+    from dflash_lab.tools.report import write_atomic
 
     write_atomic(path, value)
 
 
 def bench_results(path, value):
-    from dflash_lab.bench import _write
+    from dflash_lab.tools.bench_common import write_results
 
-    _write(path.parent, path.stem, {"value": value})
+    write_results(path.parent, path.stem, {"value": value})
 
 
 def training_log(path, value):
-    from dflash_lab.train import write_json
+    from dflash_lab.train import write_log
 
-    write_json(path, {"value": value})
+    write_log(path, {"value": value})
 
 
 def heldout_prompts(path, value):

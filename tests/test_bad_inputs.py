@@ -28,7 +28,8 @@ from dflash_lab.assets import load_default_pair
 from dflash_lab.checkpoint import CheckpointError, load_drafter, save_drafter
 from dflash_lab.config import ConfigError, DFlashDrafterConfig
 from dflash_lab.drafter import DFlashLagunaDrafter
-from dflash_lab.kv_groups import kv_cache_groups, laguna_target_specs
+from dflash_lab.kv_groups import kv_cache_groups
+from dflash_lab.kv_specs import laguna_target_specs
 from dflash_lab.metrics import MetricsError, prometheus_text, stats_from_prometheus_text
 from dflash_lab.spec_decode import SpecDecodeStats, speculative_generate
 from dflash_lab.target import build_target, load_target, tiny_laguna_config
@@ -341,7 +342,7 @@ CASES = [
     Case("gen-negative-max-new-tokens", generate(max_new_tokens=-1), ValueError, r"max_new_tokens must be a non-negative integer"),
     # --- KV-cache groups -------------------------------------------------------
     Case("kv-unknown-method", kv_groups_of(target_specs, method="medusa2"), ValueError, r"method 'medusa2' is not a speculative method"),
-    Case("kv-unknown-model-type", kv_groups_of(target_specs, method="mtp", model_type="lagunaa"), ValueError, r"model_type 'lagunaa' is not a model type"),
+    Case("kv-empty-model-type", kv_groups_of(target_specs, method="mtp", model_type=""), ValueError, r"model_type is empty"),
     Case("kv-unknown-layout", kv_groups_of(target_specs, layout="XYZ"), ValueError, r"layout 'XYZ' is not a vLLM KV-cache layout"),
     Case("kv-duplicate-layer-name", kv_groups_of(first_layer_twice), ValueError,
          r"kv_cache_spec: layer name 'model\.layers\.0\.self_attn\.attn' appears twice"),

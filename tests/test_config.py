@@ -29,6 +29,7 @@ def test_to_dict_is_what_vllm_reads(drafter_config_dict):
     d = DFlashDrafterConfig.from_dict(drafter_config_dict()).to_dict()
     assert d["architectures"] == ["DFlashLagunaForCausalLM"]
     assert d["dflash_config"] == {"target_layer_ids": [1, 3], "mask_token_id": 5, "block_size": 4}
+    assert d["eagle_aux_hidden_state_layer_ids"] == [2, 4]
     assert d["draft_vocab_size"] == d["vocab_size"] == 128
     assert d["mlp_layer_types"] == ["dense", "dense"]
 
@@ -160,3 +161,113 @@ def test_incomplete_target_config_is_rejected(drafter_config_dict):
     cfg = DFlashDrafterConfig.from_dict(drafter_config_dict())
     with pytest.raises(ValueError, match="vocab_size, num_hidden_layers and hidden_size"):
         cfg.validate_against_target({"vocab_size": 128})
+
+
+# --- as vLLM resolves them: causality, layer ids, windows, RoPE (FIDELITY §1, §3, §5) ----------
+
+
+@pytest.mark.parametrize("layer_type,is_causal,dflash_causal,expected", [
+    # vLLM's _dflash_layer_causal, first match wins (ported from vLLM's test_dflash_causality.py)
+    ("full_attention", None, None, False),
+    ("sliding_attention", None, None, True),
+    ("full_attention", True, None, True),
+    ("sliding_attention", False, None, False),
+    ("full_attention", None, True, True),
+    ("sliding_attention", None, False, False),
+    ("sliding_attention", False, False, False),
+])
+def test_causality_follows_vllms_rule(drafter_config_dict, layer_type, is_causal, dflash_causal, expected):
+    d = drafter_config_dict(layer_types=[layer_type] * 2)
+    if is_causal is not None:
+        d["is_causal"] = is_causal
+    if dflash_causal is not None:
+        d["dflash_config"]["causal"] = dflash_causal
+    cfg = DFlashDrafterConfig.from_dict(d)
+    assert cfg.is_causal is expected
+    again = DFlashDrafterConfig.from_dict(cfg.to_dict())  # what the lab writes reads back the same
+    assert again.is_causal is expected and again == cfg
+
+
+@pytest.mark.parametrize("key,value", [("is_causal", "yes"), ("is_causal", 1), ("dflash_config.causal", "true")])
+def test_causal_must_be_a_bool(drafter_config_dict, key, value):
+    d = drafter_config_dict()
+    if key == "is_causal":
+        d["is_causal"] = value
+    else:
+        d["dflash_config"]["causal"] = value
+    with pytest.raises(TypeError, match=f"`{key}` must be true or false"):
+        DFlashDrafterConfig.from_dict(d, source="cfg.json")
+
+
+def test_disagreeing_causal_keys_are_rejected_naming_both(drafter_config_dict):
+    d = drafter_config_dict(is_causal=True)
+    d["dflash_config"]["causal"] = False
+    with pytest.raises(ConfigError, match=r"`is_causal` \(True\) disagrees with `dflash_config.causal` \(False\)"):
+        DFlashDrafterConfig.from_dict(d)
+
+
+def test_eagle_aux_layer_ids_win_and_mean_target_ids_plus_one(drafter_config_dict):
+    d = drafter_config_dict(eagle_aux_hidden_state_layer_ids=[2, 4])
+    del d["dflash_config"]["target_layer_ids"]
+    cfg = DFlashDrafterConfig.from_dict(d)
+    assert cfg.target_layer_ids == [1, 3] and cfg.aux_hidden_state_layer_ids == [2, 4]
+    written = cfg.to_dict()  # both keys, consistent
+    assert written["eagle_aux_hidden_state_layer_ids"] == [2, 4]
+    assert written["dflash_config"]["target_layer_ids"] == [1, 3]
+
+
+def test_disagreeing_layer_id_keys_are_rejected_naming_both(drafter_config_dict):
+    d = drafter_config_dict(eagle_aux_hidden_state_layer_ids=[2, 5])  # target_layer_ids [1, 3] -> expects [2, 4]
+    with pytest.raises(ConfigError, match=r"eagle_aux_hidden_state_layer_ids.*disagrees with `dflash_config.target_layer_ids`"):
+        DFlashDrafterConfig.from_dict(d, source="x/config.json")
+
+
+def test_unsorted_target_layer_ids_are_used_in_layer_order(drafter_config_dict):
+    d = drafter_config_dict()
+    d["dflash_config"]["target_layer_ids"] = [4, 0, 2]
+    # vLLM's target collects aux hidden states while it runs its layers: ascending order.
+    assert DFlashDrafterConfig.from_dict(d).target_layer_ids == [0, 2, 4]
+
+
+@pytest.mark.parametrize("value,exc,message", [
+    (None, TypeError, "`sliding_window` is null, which vLLM cannot read"),
+    (8.5, TypeError, "`sliding_window` must be an integer"),
+    ("8", TypeError, "`sliding_window` must be an integer"),
+    (0, ConfigError, "`sliding_window` must be >= 1"),
+])
+def test_bad_sliding_window_is_rejected(drafter_config_dict, value, exc, message):
+    with pytest.raises(exc, match=message):
+        DFlashDrafterConfig.from_dict(drafter_config_dict(sliding_window=value))
+
+
+def test_no_null_is_ever_written(drafter_config_dict):
+    d = drafter_config_dict()
+    del d["sliding_window"], d["target_layer_count"]
+    written = DFlashDrafterConfig.from_dict(d).to_dict()
+    assert None not in written.values() and None not in written["dflash_config"].values()
+    assert "sliding_window" not in written
+
+
+def test_flat_rope_theta_is_read_as_transformers_reads_it():
+    from dflash_lab.config import rope_resolution_table
+    from dflash_lab.presets import drafter_preset
+
+    d, _ = drafter_preset("laguna-s-2.1-dflash")
+    cfg = DFlashDrafterConfig.from_dict(d)
+    # The file says 500000, but LagunaConfig gives a flat rope_theta to full_attention only.
+    assert cfg.rope["rope_theta"] == 10000.0
+    sliding = next(r for r in rope_resolution_table(d) if r["layer_type"] == "sliding_attention")
+    assert sliding == {"layer_type": "sliding_attention", "rope_theta_in_file": 500000.0, "rope_theta_served": 10000.0,
+                       "partial_rotary_factor": 1.0, "differs": True}
+
+
+@pytest.mark.parametrize("name", ["laguna-s-2.1-dflash", "laguna-xs-2.1-dflash (shape)"])
+def test_real_poolside_configs_load_and_pair_with_their_targets(name):
+    from dflash_lab.presets import drafter_preset
+
+    d, target = drafter_preset(name)
+    cfg = DFlashDrafterConfig.from_dict(d, source=name)
+    cfg.validate_against_target(target)
+    assert cfg.is_sliding and cfg.is_causal and cfg.window == 512 and cfg.gate_per_head
+    assert cfg.target_layer_count == target["num_hidden_layers"]  # from dflash_config.num_target_layers
+    assert cfg.aux_hidden_state_layer_ids == d["eagle_aux_hidden_state_layer_ids"]

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
-from dflash_lab.drafter import CONTEXT_KV_PATHS, dflash_attention_mask
+from dflash_lab.context_kv import CONTEXT_KV_PATHS, context_kv_agreement, context_kv_tolerance
+from dflash_lab.drafter import dflash_attention_mask
 
 FAST_PATHS = [p for p in CONTEXT_KV_PATHS if p != "reference"]
 LAYER_FLAVOURS = [  # (layer type, its partial rotary factor in Laguna's defaults)
@@ -20,10 +24,6 @@ def context(n: int, hidden: int = 64, *, seed: int = 1, dtype=torch.float32, sta
     g = torch.Generator().manual_seed(seed)
     states = 3.0 * torch.randn(n, hidden, generator=g) + 0.5
     return states.to(dtype), torch.arange(start, start + n)
-
-
-def kv_errors(a, b):
-    return [(x.float() - y.float()).abs() for x, y in zip(a, b)]
 
 
 # --- the three paths agree --------------------------------------------------------
@@ -43,8 +43,8 @@ def test_context_kv_paths_agree_in_float32(make_drafter, layers, layer_type, rot
     for path in FAST_PATHS:
         out = drafter.precompute_context_kv(states, positions, path=path)
         assert [tuple(t.shape) for t in out] == [(L, n_ctx, nkv, hd)] * 2
-        k_err, v_err = kv_errors(out, ref)
-        assert k_err.max() <= 1e-5 and v_err.max() <= 1e-5, (path, k_err.max().item(), v_err.max().item())
+        agreement = context_kv_agreement(out, ref)
+        assert agreement["max_err"] <= 1e-5, (path, agreement["max_err"])
 
 
 @pytest.mark.parametrize("layer_type,rotary_factor", LAYER_FLAVOURS)
@@ -61,8 +61,9 @@ def test_context_kv_paths_agree_in_bfloat16(make_drafter, layers, layer_type, ro
     for path in CONTEXT_KV_PATHS:
         out = drafter.precompute_context_kv(states, positions, path=path)
         for against, expected in [("bf16 reference", ref), ("float32", truth)]:
-            for name, err in zip("KV", kv_errors(out, expected)):
-                assert err.max() <= 6e-2 and err.mean() <= 5e-3, (path, against, name, err.max().item(), err.mean().item())
+            agreement = context_kv_agreement(out, expected)  # the worse of K and V
+            assert agreement["max_err"] <= 6e-2 and agreement["mean_err"] <= 5e-3, (
+                path, against, agreement["max_err"], agreement["mean_err"])
 
 
 def test_context_k_has_unit_rms_before_its_norm_weight(make_drafter):
@@ -84,8 +85,41 @@ def test_fast_paths_follow_weight_updates(make_drafter):
         drafter.layers[0].self_attn.qkv_proj.weight.add_(0.01)
     ref = drafter.precompute_context_kv(states, positions, path="reference")
     for path in FAST_PATHS:
-        k_err, v_err = kv_errors(drafter.precompute_context_kv(states, positions, path=path), ref)
-        assert k_err.max() <= 1e-5 and v_err.max() <= 1e-5, path
+        agreement = context_kv_agreement(drafter.precompute_context_kv(states, positions, path=path), ref)
+        assert agreement["max_err"] <= 1e-5, (path, agreement["max_err"])
+
+
+def test_agreement_reports_the_worse_of_k_and_v_and_applies_the_tolerance():
+    k, v = torch.ones(2, 3, 1, 4), torch.zeros(2, 3, 1, 4)
+    same = context_kv_agreement((k, v), (k, v))
+    assert same["ok"] and same["max_err"] == 0.0 and same["mean_tol"] is None
+    off = v.clone()
+    off[1, 2, 0, 3] = 1e-3  # one V entry, far past float32's 1e-5
+    agreement = context_kv_agreement((k, off), (k, v))
+    assert not agreement["ok"]
+    assert agreement["max_err"] == pytest.approx(1e-3) and agreement["max_tol"] == 1e-5
+    assert [e.shape for e in agreement["errors"]] == [k.shape, v.shape]
+    bf16 = context_kv_agreement((k.bfloat16(), off.bfloat16()), (k.bfloat16(), v.bfloat16()))
+    assert bf16["ok"] and (bf16["max_tol"], bf16["mean_tol"]) == context_kv_tolerance(torch.bfloat16, 1.0)
+    with pytest.raises(ValueError, match="shape"):
+        context_kv_agreement((k, v[:1]), (k, v))
+
+
+def test_context_kv_module_does_not_import_the_drafter():
+    """context_kv sits below the drafter: importing it must not pull drafter.py in (no cycle)."""
+    code = "import sys, dflash_lab.context_kv; print('dflash_lab.drafter' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
+
+
+def test_views_of_one_drafter_share_the_context_kv_buffers(make_drafter):
+    from dflash_lab.context_kv import build_context_kv_buffers
+    from dflash_lab.drafter import with_window
+
+    drafter = make_drafter(2)
+    bufs = build_context_kv_buffers(drafter, torch.device("cpu"), torch.float32)
+    assert build_context_kv_buffers(with_window(drafter, 4), torch.device("cpu"), torch.float32) is bufs
+    assert build_context_kv_buffers(drafter, torch.device("cpu"), torch.bfloat16) is not bufs
 
 
 def test_unknown_path_and_bad_shapes_are_rejected(make_drafter):
@@ -156,17 +190,35 @@ def run(drafter, block, positions, k, v, cpos, **kw):
         return drafter(block, positions, k, v, cpos, **kw)
 
 
+CAUSALITY_CASES = [  # (layer type, config override, causal inside the block?) — vLLM's _dflash_layer_causal
+    pytest.param("full_attention", {}, False, id="full-default-non-causal"),
+    pytest.param("sliding_attention", {}, True, id="sliding-default-causal"),
+    pytest.param("sliding_attention", {"is_causal": False}, False, id="sliding-is_causal-false"),
+    pytest.param("sliding_attention", {"dflash_config": {"target_layer_ids": [1, 3], "mask_token_id": 5,
+                                                          "block_size": 4, "causal": False}}, False,
+                 id="sliding-dflash_config-causal-false"),
+    pytest.param("full_attention", {"is_causal": True}, True, id="full-is_causal-true"),
+]
+
+
 @pytest.mark.parametrize("gating", GATINGS)
-@pytest.mark.parametrize("layer_type,rotary_factor", LAYER_FLAVOURS)
-def test_block_attention_is_not_causal(make_drafter, layer_type, rotary_factor, gating):
-    drafter = make_drafter(2, layer_type, gating)
+@pytest.mark.parametrize("layer_type,override,causal", CAUSALITY_CASES)
+def test_block_query_sees_later_block_tokens_only_when_non_causal(make_drafter, layer_type, override, causal, gating):
+    """A causal drafter's block query i does not change when block tokens after i change."""
+    drafter = make_drafter(2, layer_type, gating, sliding_window=64, **override)
+    assert drafter.config.is_causal is causal
     block, positions, k, v, cpos = draft_block(drafter)
     out = run(drafter, block, positions, k, v, cpos)
     assert out.shape == block.shape
-    changed = block.clone()
-    changed[0, -1] += 1.0  # the LAST block token
-    out2 = run(drafter, changed, positions, k, v, cpos)
-    assert (out2[0, 0] - out[0, 0]).abs().max() > 1e-4  # ... reaches the FIRST position
+    for j in range(1, block.shape[1]):
+        changed = block.clone()
+        changed[0, j] += 1.0  # block token j
+        delta = (run(drafter, changed, positions, k, v, cpos) - out).abs().amax(-1)[0]  # (Q,)
+        assert (delta[j:] > 1e-4).all(), "a changed token must reach its own and later positions"
+        if causal:
+            assert (delta[:j] == 0).all(), f"causal: queries before {j} must not see token {j}"
+        else:
+            assert (delta[:j] > 1e-4).all(), f"non-causal: every query sees token {j}"
 
 
 def test_context_at_or_after_the_block_start_is_never_seen(make_drafter):
@@ -212,8 +264,19 @@ def test_attention_mask_layout():
     assert blk.tolist() == [[i // 3 == j // 3 for j in range(6)] for i in range(6)]  # own block, both directions
     windowed = dflash_attention_mask(positions, torch.arange(7), block_size=3, window=2)[0, :, :7]
     assert windowed[0].nonzero().flatten().tolist() == [3]  # query at 4 sees only position 3
+    causal = dflash_attention_mask(positions, torch.arange(7), block_size=3, causal=True)[0, :, 7:]
+    assert causal.tolist() == [[i // 3 == j // 3 and j <= i for j in range(6)] for i in range(6)]
     with pytest.raises(ValueError, match="not a multiple of block_size 4"):
         dflash_attention_mask(positions, torch.arange(7), block_size=4)
+
+
+def test_window_is_one_sided_for_causal_and_symmetric_for_non_causal_layers():
+    """vLLM: a causal layer's window is (w, 0); a non-causal one's becomes (w, w) (_maybe_symmetrize_window)."""
+    positions = torch.arange(10, 18)[None]  # one block of 8 at 10..17, context 0..9
+    sym = dflash_attention_mask(positions, torch.arange(10), block_size=8, window=3)[0, :, 10:]
+    one_sided = dflash_attention_mask(positions, torch.arange(10), block_size=8, window=3, causal=True)[0, :, 10:]
+    assert sym.tolist() == [[abs(i - j) < 3 for j in range(8)] for i in range(8)]
+    assert one_sided.tolist() == [[0 <= i - j < 3 for j in range(8)] for i in range(8)]
 
 
 # --- on a GPU ------------------------------------------------------------------------------
@@ -241,20 +304,17 @@ def test_context_kv_paths_agree_on_cuda(make_drafter, layers, layer_type, rotary
         s, p = states.to("cuda", dtype), positions.cuda()
         ref = drafter.precompute_context_kv(s, p, path="reference")
         if dtype == torch.float32:  # the GPU reference is the CPU reference
-            for err in kv_errors([t.cpu() for t in ref], cpu_ref):
-                assert err.max() <= 1e-4
+            assert context_kv_agreement([t.cpu() for t in ref], cpu_ref)["max_err"] <= 1e-4
         for path in FAST_PATHS:
             out = drafter.precompute_context_kv(s, p, path=path)
             assert all(t.is_cuda and t.dtype == dtype and t.shape == r.shape for t, r in zip(out, ref))
-            for name, err in zip("KV", kv_errors(out, ref)):
-                assert err.max() <= max_tol, (dtype, path, name, err.max().item())
-                if mean_tol is not None:
-                    assert err.mean() <= mean_tol, (dtype, path, name, err.mean().item())
+            agreement = context_kv_agreement(out, ref)
+            assert agreement["max_err"] <= max_tol, (dtype, path, agreement["max_err"])
+            if mean_tol is not None:
+                assert agreement["mean_err"] <= mean_tol, (dtype, path, agreement["mean_err"])
 
 
 def test_bf16_tolerance_is_the_issue_bound_at_unit_scale_and_two_steps_past_four():
-    from dflash_lab.drafter import context_kv_tolerance
-
     assert context_kv_tolerance(torch.bfloat16, 1.0) == (6e-2, 5e-3)
     assert context_kv_tolerance(torch.bfloat16, 7.1) == (2 * 2.0**-5, 5e-3)  # |K| in [4, 8): step 2**-5
     assert context_kv_tolerance(torch.float32, 0.5) == (1e-5, None)
@@ -264,7 +324,6 @@ def test_bf16_tolerance_is_the_issue_bound_at_unit_scale_and_two_steps_past_four
 def test_paths_agree_on_the_shipped_drafter_in_bfloat16():
     """Trained K-norm weights push |K| past 4; the paths still agree within the package's rule."""
     from dflash_lab.assets import load_default_pair
-    from dflash_lab.drafter import context_kv_agreement
     from dflash_lab.target import target_forward
 
     target, drafter, tokenizer = load_default_pair(device="cpu")

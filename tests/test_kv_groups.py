@@ -2,7 +2,10 @@
 
 Every grouping here comes from vLLM's own ``get_kv_cache_groups`` on the CPU, on the
 general layout (LBHNC) and the block-outermost one (BLHNC, which takes the packed
-path when page sizes differ). Our rules are then applied on top.
+path when page sizes differ). Our rules are then applied on top. What chapter 4 says
+about vLLM 0.33 itself (the runtime marker, the block drop per method, the engine's
+own annotation, the exact-partition assertion, group counts at real Laguna shapes) is
+pinned against vLLM's own functions at the end (FIDELITY §6, §9 items 1-6).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     iter_layer_specs,
 )
 
+from dflash_lab import kv_engine, kv_layout, kv_presets, kv_specs  # noqa: E402
 from dflash_lab import kv_groups as kv  # noqa: E402
 from dflash_lab import viz  # noqa: E402
 
@@ -52,18 +56,18 @@ def warned(caplog) -> bool:
 
 
 # ---------------------------------------------------------------------------
-# Rule 2: the trailing-layer rule (MTP anywhere, dspark on DeepSeek V4/V4.1)
+# Rule 2: the trailing-layer rule (MTP anywhere, every EAGLE-family method on DeepSeek V4/V4.1)
 # ---------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize(
     ("method", "model_type"),
-    [("mtp", "deepseek_v4"), ("dspark", "deepseek_v4"), ("dspark", "deepseek_v41")],
+    [(m, t) for t in ("deepseek_v4", "deepseek_v41") for m in ("mtp", "dspark", "eagle", "eagle3", "dflash")],
 )
 def test_deepseek_v4_flags_exactly_the_group_holding_its_last_layer(method, model_type, layout):
     # The draft layer reuses the target's decoder layer: no marker, only its position.
-    specs = kv.deepseek_v4_specs()
+    specs = kv_specs.deepseek_v4_specs()
     assert not any(s.is_draft for s in specs.values())
     assert next(reversed(specs)) == DSV4_DRAFT_LAYER
 
@@ -76,7 +80,7 @@ def test_deepseek_v4_flags_exactly_the_group_holding_its_last_layer(method, mode
 def test_deepseek_v4_block_outermost_layout_takes_the_packed_path():
     # The two MLA caches have different page sizes, so BLHNC packs them (one
     # UniformTypeKVCacheSpecs per group) while LBHNC unifies the pages instead.
-    specs = kv.deepseek_v4_specs()
+    specs = kv_specs.deepseek_v4_specs()
     packed = kv.vllm_kv_cache_groups(specs, layout="BLHNC")
     general = kv.vllm_kv_cache_groups(specs, layout="LBHNC")
     assert all(isinstance(g.kv_cache_spec, UniformTypeKVCacheSpecs) for g in packed)
@@ -85,25 +89,34 @@ def test_deepseek_v4_block_outermost_layout_takes_the_packed_path():
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("model_type", ["glm4_moe", "laguna", "qwen3_next", None])
+@pytest.mark.parametrize("model_type", ["glm4_moe", "laguna", "qwen3_next", "mimo", None])
 def test_trailing_layer_rule_applies_to_mtp_on_any_model_type(model_type, layout):
+    # "mimo" is a remote-code model type transformers does not know: the rule never asks.
     assert kv.uses_trailing_mtp_layers("mtp", model_type)
-    groups = kv.kv_cache_groups(kv.deepseek_v4_specs(), method="mtp", model_type=model_type, layout=layout)
+    groups = kv.kv_cache_groups(kv_specs.deepseek_v4_specs(), method="mtp", model_type=model_type, layout=layout)
     (draft,) = flagged(groups)
     assert DSV4_DRAFT_LAYER in draft.layer_names
+
+
+def test_trailing_layer_rule_table_is_the_seeds():
+    """FIDELITY §6: False unless EAGLE-family; mtp anywhere; every EAGLE-family method on DeepSeek V4/V4.1."""
+    for model_type in ("deepseek_v4", "deepseek_v41", "laguna", "mimo", "qwen3_5", None):
+        for method in (*kv.SPEC_METHODS, None):
+            expected = method in kv.EAGLE_METHODS and (method == "mtp" or model_type in ("deepseek_v4", "deepseek_v41"))
+            assert kv.uses_trailing_mtp_layers(method, model_type) is expected, (method, model_type)
 
 
 @pytest.mark.parametrize("method", ["dspark", "eagle", "eagle3", "dflash"])
 def test_trailing_layer_rule_is_off_for_other_drafters(method):
     assert not kv.uses_trailing_mtp_layers(method, "qwen3_5")
-    groups = kv.kv_cache_groups(kv.deepseek_v4_specs(), method=method, model_type="glm4_moe", layout="BLHNC")
+    groups = kv.kv_cache_groups(kv_specs.deepseek_v4_specs(), method=method, model_type="glm4_moe", layout="BLHNC")
     assert flagged(groups) == []
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("align_pages", [True, False])
 def test_qwen3_5_mtp_flags_only_the_group_holding_the_mtp_layer(layout, align_pages, caplog):
-    specs = kv.qwen3_5_hybrid_specs(with_mtp_layer=True, align_pages=align_pages)
+    specs = kv_specs.qwen3_5_hybrid_specs(with_mtp_layer=True, align_pages=align_pages)
     with caplog.at_level(logging.WARNING):
         groups = kv.kv_cache_groups(specs, method="mtp", model_type="qwen3_5", layout=layout)
 
@@ -117,7 +130,7 @@ def test_qwen3_5_mtp_flags_only_the_group_holding_the_mtp_layer(layout, align_pa
 def test_qwen3_5_with_unaligned_pages_is_packed_on_the_block_outermost_layout():
     # Without vLLM's page alignment the GDN state and attention pages differ, so the
     # packed path runs: the rule above is then checked on both paths.
-    specs = kv.qwen3_5_hybrid_specs(align_pages=False)
+    specs = kv_specs.qwen3_5_hybrid_specs(align_pages=False)
     packed = kv.vllm_kv_cache_groups(specs, layout="BLHNC")
     general = kv.vllm_kv_cache_groups(specs, layout="LBHNC")
     assert all(isinstance(g.kv_cache_spec, UniformTypeKVCacheSpecs) for g in packed)
@@ -130,26 +143,37 @@ def test_qwen3_5_with_unaligned_pages_is_packed_on_the_block_outermost_layout():
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("method", ["eagle", "eagle3", "dspark"])
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
 def test_qwen3_5_with_a_non_mtp_drafter_flags_nothing_and_warns(method, layout, caplog):
-    specs = kv.qwen3_5_hybrid_specs(with_mtp_layer=True)
+    specs = kv_specs.qwen3_5_hybrid_specs(with_mtp_layer=True)
     with caplog.at_level(logging.WARNING, logger="dflash_lab.kv_groups"):
         groups = kv.kv_cache_groups(specs, method=method, model_type="qwen3_5", layout=layout)
     assert flagged(groups) == []
     assert warned(caplog)
 
 
+@pytest.mark.parametrize("method", ["dspark", "dflash"])
+def test_no_warning_where_nothing_drops(method, caplog):
+    # FIDELITY §9.3: the flag-all fallback runs only with the block drop; dspark and dflash
+    # have none in 0.33, so an unflagged hybrid costs nothing there and is not warned about.
+    specs = kv_specs.qwen3_5_hybrid_specs(with_mtp_layer=True)
+    with caplog.at_level(logging.WARNING, logger="dflash_lab.kv_groups"):
+        groups = kv.kv_cache_groups(specs, method=method, model_type="qwen3_5")
+    assert flagged(groups) == []
+    assert not warned(caplog)
+
+
 @pytest.mark.parametrize("method", [None, "ngram", "draft_model"])
 def test_no_warning_without_an_eagle_family_drafter(method, caplog):
     with caplog.at_level(logging.WARNING):
-        groups = kv.kv_cache_groups(kv.qwen3_5_hybrid_specs(), method=method, model_type="qwen3_5")
+        groups = kv.kv_cache_groups(kv_specs.qwen3_5_hybrid_specs(), method=method, model_type="qwen3_5")
     assert flagged(groups) == []
     assert not warned(caplog)
 
 
 def test_no_warning_when_no_group_holds_mamba(caplog):
     # Laguna has no Mamba layers: an unflagged eagle drafter is not worth a warning.
-    specs = kv.laguna_target_specs(kv.EXAMPLE_LAGUNA_CONFIG)
+    specs = kv_specs.laguna_target_specs(kv_specs.EXAMPLE_LAGUNA_CONFIG)
     with caplog.at_level(logging.WARNING):
         groups = kv.kv_cache_groups(specs, method="eagle3", model_type="laguna")
     assert flagged(groups) == []
@@ -158,7 +182,7 @@ def test_no_warning_when_no_group_holds_mamba(caplog):
 
 def test_captured_warnings_collects_the_message_instead_of_logging_it(caplog):
     with caplog.at_level(logging.WARNING), kv.captured_warnings() as messages:
-        kv.kv_cache_groups(kv.qwen3_5_hybrid_specs(), method="eagle", model_type="qwen3_5")
+        kv.kv_cache_groups(kv_specs.qwen3_5_hybrid_specs(), method="eagle", model_type="qwen3_5")
     assert len(messages) == 1 and kv.DRAFT_GROUP_WARNING in messages[0]
     assert not warned(caplog)
 
@@ -174,7 +198,7 @@ def _regroup(groups, edit):
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_trailing_layer_rule_needs_an_exact_partition(layout):
-    specs = kv.qwen3_5_hybrid_specs(with_mtp_layer=True)
+    specs = kv_specs.qwen3_5_hybrid_specs(with_mtp_layer=True)
     groups = kv.vllm_kv_cache_groups(specs, layout=layout)
     assert kv.groups_partition_layers_exactly(specs, groups)
     kv.annotate_draft_groups("mtp", "qwen3_5", specs, groups, use_trailing_layer_fallback=True)
@@ -190,14 +214,14 @@ def test_trailing_layer_rule_needs_an_exact_partition(layout):
 
 
 def test_partition_check_rejects_a_layer_the_spec_does_not_have():
-    specs = kv.qwen3_5_hybrid_specs()
+    specs = kv_specs.qwen3_5_hybrid_specs()
     groups = kv.vllm_kv_cache_groups(specs)
     renamed = _regroup(groups, lambda names: [n.replace("mtp.layers.0", "mtp.layers.9") for n in names])
     assert not kv.groups_partition_layers_exactly(specs, renamed)
 
 
 def test_trailing_layer_rule_only_when_enabled():
-    specs = kv.deepseek_v4_specs()
+    specs = kv_specs.deepseek_v4_specs()
     groups = kv.vllm_kv_cache_groups(specs, layout="BLHNC")
     kv.annotate_draft_groups("mtp", "deepseek_v4", specs, groups)
     assert flagged(groups) == []
@@ -211,7 +235,7 @@ def test_trailing_layer_rule_only_when_enabled():
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("drafter_sliding", [False, True])
 def test_dflash_drafter_group_is_found_by_its_marker(layout, drafter_sliding):
-    specs = kv.laguna_dflash_specs(drafter_sliding=drafter_sliding)
+    specs = kv_specs.laguna_dflash_specs(drafter_sliding=drafter_sliding)
     drafter = {n for n, s in specs.items() if s.is_draft}
     assert drafter == {f"model.layers.{6 + j}.self_attn.attn" for j in range(3)}
     assert not kv.uses_trailing_mtp_layers("dflash", "laguna")
@@ -226,7 +250,7 @@ def test_dflash_drafter_group_is_found_by_its_marker(layout, drafter_sliding):
 
 
 def test_marker_rule_does_not_depend_on_registration_order():
-    specs = kv.laguna_dflash_specs()
+    specs = kv_specs.laguna_dflash_specs()
     drafter_first = dict(sorted(specs.items(), key=lambda item: not item[1].is_draft))
     groups = kv.kv_cache_groups(drafter_first, method="dflash", model_type="laguna")
     (draft,) = flagged(groups)
@@ -234,8 +258,8 @@ def test_marker_rule_does_not_depend_on_registration_order():
 
 
 def test_drafter_with_other_kv_heads_gets_groups_of_its_own_only_on_the_general_path():
-    drafter = dict(kv.example_dflash_drafter_config(kv.EXAMPLE_LAGUNA_CONFIG), num_key_value_heads=4)
-    specs = kv.laguna_dflash_specs(drafter_config=drafter)
+    drafter = dict(kv_specs.example_dflash_drafter_config(kv_specs.EXAMPLE_LAGUNA_CONFIG), num_key_value_heads=4)
+    specs = kv_specs.laguna_dflash_specs(drafter_config=drafter)
     drafter_layers = {n for n, s in specs.items() if s.is_draft}
 
     # General path: pages are unified by giving the target a larger block, and the
@@ -252,13 +276,13 @@ def test_drafter_with_other_kv_heads_gets_groups_of_its_own_only_on_the_general_
 def test_vllm_033_grouping_flags_no_group_itself():
     # In vLLM 0.33 get_kv_cache_groups leaves is_eagle_group False everywhere: the
     # flags in this lab come from our annotation.
-    for name in kv.PRESETS:
+    for name in kv_presets.PRESETS:
         for layout in LAYOUTS:
-            assert flagged(kv.vllm_kv_cache_groups(kv.preset_specs(name), layout=layout)) == []
+            assert flagged(kv.vllm_kv_cache_groups(kv_presets.preset_specs(name), layout=layout)) == []
 
 
 def test_annotation_sets_every_flag_afresh():
-    specs = kv.laguna_dflash_specs()
+    specs = kv_specs.laguna_dflash_specs()
     groups = kv.vllm_kv_cache_groups(specs)
     for g in groups:
         g.is_eagle_group = True
@@ -269,7 +293,7 @@ def test_annotation_sets_every_flag_afresh():
 
 
 def test_hybrid_manager_disabled_puts_the_whole_laguna_pair_in_the_draft_group():
-    specs = kv.laguna_dflash_specs()
+    specs = kv_specs.laguna_dflash_specs()
     (group,) = kv.kv_cache_groups(specs, method="dflash", model_type="laguna", hybrid_manager_disabled=True)
     assert group.is_eagle_group and set(group.layer_names) == set(specs)
     assert isinstance(group.kv_cache_spec, FullAttentionSpec)
@@ -304,7 +328,7 @@ def test_spec_methods_are_vllms_methods_without_mtp_aliases():
 
 
 def test_laguna_target_layers_follow_layer_types():
-    specs = kv.laguna_target_specs(kv.EXAMPLE_LAGUNA_CONFIG, dtype="float16", block_size=32)
+    specs = kv_specs.laguna_target_specs(kv_specs.EXAMPLE_LAGUNA_CONFIG, dtype="float16", kv_block_size=32)
     kinds = [type(s) for s in specs.values()]
     assert list(specs) == [f"model.layers.{i}.self_attn.attn" for i in range(6)]
     assert kinds == [SlidingWindowSpec, SlidingWindowSpec, FullAttentionSpec] * 2
@@ -316,7 +340,7 @@ def test_laguna_target_layers_follow_layer_types():
 def test_dflash_drafter_cache_is_full_attention_even_when_its_layers_slide():
     drafter = {"num_hidden_layers": 2, "num_key_value_heads": 4, "head_dim": 32,
                "layer_types": ["sliding_attention"] * 2, "sliding_window": 16}
-    specs = kv.dflash_drafter_specs(drafter, target_layer_count=40)
+    specs = kv_specs.dflash_drafter_specs(drafter, target_layer_count=40)
     assert list(specs) == ["model.layers.40.self_attn.attn", "model.layers.41.self_attn.attn"]
     for spec in specs.values():
         assert type(spec) is FullAttentionSpec and spec.sliding_window is None
@@ -325,18 +349,18 @@ def test_dflash_drafter_cache_is_full_attention_even_when_its_layers_slide():
 
 def test_dflash_drafter_specs_read_a_config_object():
     config = SimpleNamespace(num_hidden_layers=1, num_key_value_heads=2, head_dim=64, layer_types=["full_attention"])
-    assert list(kv.dflash_drafter_specs(config, target_layer_count=6)) == ["model.layers.6.self_attn.attn"]
+    assert list(kv_specs.dflash_drafter_specs(config, target_layer_count=6)) == ["model.layers.6.self_attn.attn"]
 
 
 def test_mtp_layer_is_the_targets_full_attention_without_a_marker():
-    specs = kv.qwen3_5_hybrid_specs(with_mtp_layer=True)
+    specs = kv_specs.qwen3_5_hybrid_specs(with_mtp_layer=True)
     assert specs[MTP_LAYER] == specs["model.layers.3.self_attn.attn"]
     assert not specs[MTP_LAYER].is_draft
     assert next(reversed(specs)) == MTP_LAYER
 
 
 def test_qwen3_5_pages_are_aligned_like_vllms_platform_does():
-    specs = kv.qwen3_5_hybrid_specs()
+    specs = kv_specs.qwen3_5_hybrid_specs()
     mamba = specs["model.layers.0.linear_attn"]
     attn = specs["model.layers.3.self_attn.attn"]
     assert attn.block_size % 16 == 0
@@ -346,7 +370,7 @@ def test_qwen3_5_pages_are_aligned_like_vllms_platform_does():
 
 
 def test_deepseek_v4_draft_layer_reuses_the_target_decoder_layer():
-    specs = kv.deepseek_v4_specs(num_target_layers=3)
+    specs = kv_specs.deepseek_v4_specs(num_target_layers=3)
     for cache in ("swa_attn", "attn"):
         assert specs[f"model.layers.3.self_attn.{cache}"] == specs[f"model.layers.0.self_attn.{cache}"]
     assert len(specs) == 8
@@ -358,28 +382,29 @@ def test_deepseek_v4_draft_layer_reuses_the_target_decoder_layer():
 
 
 def test_group_memory_uses_one_pool_sized_by_the_widest_group():
-    specs = kv.laguna_dflash_specs()  # 4 sliding layers | 2 full + 3 drafter layers
+    specs = kv_specs.laguna_dflash_specs()  # 4 sliding layers | 2 full + 3 drafter layers
     groups = kv.kv_cache_groups(specs, method="dflash", model_type="laguna")
     budget = 10 << 20
-    sliding, full = kv.group_memory(groups, kv_budget_bytes=budget)
+    sliding, full = kv_layout.group_memory(groups, kv_budget_bytes=budget)
     page = 16 * 2 * 2 * 64 * 2  # block * (K, V) * kv heads * head dim * bf16
     assert (sliding.num_layers, full.num_layers) == (4, 5)
     assert full.pool_bytes_per_block == sliding.pool_bytes_per_block == 5 * page
     assert (sliding.unused_bytes_per_block, full.unused_bytes_per_block) == (page, 0)
+    assert full.kv_block_size == sliding.kv_block_size == 16  # tokens per KV page, not the draft block
     assert full.num_blocks == budget // (5 * page) and full.tokens == full.num_blocks * 16
     assert full.bytes_per_token == 5 * page / 16 and full.is_draft_group and not sliding.is_draft_group
 
 
 def test_group_memory_reports_mamba_state_without_a_per_token_size():
-    memory = kv.group_memory(kv.kv_cache_groups(kv.qwen3_5_hybrid_specs(), method="mtp", model_type="qwen3_5"))
+    memory = kv_layout.group_memory(kv.kv_cache_groups(kv_specs.qwen3_5_hybrid_specs(), method="mtp", model_type="qwen3_5"))
     assert [m.bytes_per_token is None for m in memory] == [True, True, False]
     assert [m.tokens is None for m in memory] == [True, True, False]
 
 
 def test_group_memory_rejects_a_budget_below_one_block():
-    groups = kv.kv_cache_groups(kv.laguna_dflash_specs())
+    groups = kv.kv_cache_groups(kv_specs.laguna_dflash_specs())
     with pytest.raises(ValueError, match="kv_budget_bytes"):
-        kv.group_memory(groups, kv_budget_bytes=1000)
+        kv_layout.group_memory(groups, kv_budget_bytes=1000)
 
 
 # ---------------------------------------------------------------------------
@@ -388,9 +413,9 @@ def test_group_memory_rejects_a_budget_below_one_block():
 
 
 def test_layout_figure_draws_one_row_per_group_and_one_cell_per_layer():
-    specs = kv.deepseek_v4_specs()
+    specs = kv_specs.deepseek_v4_specs()
     groups = kv.kv_cache_groups(specs, method="mtp", model_type="deepseek_v4", layout="BLHNC")
-    rows = kv.describe_groups(groups, specs)
+    rows = kv_layout.describe_groups(groups, specs)
     fig = viz.kv_group_layout_figure(rows, title="DSv4", warning="careful")
 
     assert sum(len(t.y) for t in fig.data) == len(specs)
@@ -404,46 +429,97 @@ def test_layout_figure_draws_one_row_per_group_and_one_cell_per_layer():
 
 
 def test_layout_figure_outlines_marked_draft_layers():
-    specs = kv.laguna_dflash_specs()
-    fig = viz.kv_group_layout_figure(kv.describe_groups(kv.kv_cache_groups(specs, method="dflash", model_type="laguna"), specs))
+    specs = kv_specs.laguna_dflash_specs()
+    fig = viz.kv_group_layout_figure(kv_layout.describe_groups(kv.kv_cache_groups(specs, method="dflash", model_type="laguna"), specs))
     widths = {text: w for t in fig.data for text, w in zip(t.text, t.marker.line.width)}
     assert {text for text, w in widths.items() if w > 1} == {"L6", "L7", "L8"}
 
 
 def test_memory_figure_lists_every_group_and_its_unused_share_of_a_block():
-    groups = kv.kv_cache_groups(kv.laguna_dflash_specs(), method="dflash", model_type="laguna")
-    table, used, unused = viz.kv_group_memory_figure(kv.group_memory(groups)).data
+    groups = kv.kv_cache_groups(kv_specs.laguna_dflash_specs(), method="dflash", model_type="laguna")
+    table, used, unused = viz.kv_group_memory_figure(kv_layout.group_memory(groups)).data
     assert list(table.cells.values[0]) == ["g0", "g1"]
     assert list(table.cells.values[3]) == ["", "⚑"]
     assert list(used.x) == [32.0, 40.0] and list(unused.x) == [8.0, 0.0]  # KiB of a 40 KiB pool block
 
 
 def test_format_groups_marks_the_draft_group_and_the_marked_layers():
-    specs = kv.laguna_dflash_specs()
-    text = kv.format_groups(kv.kv_cache_groups(specs, method="dflash", model_type="laguna"), specs)
+    specs = kv_specs.laguna_dflash_specs()
+    text = kv_layout.format_groups(kv.kv_cache_groups(specs, method="dflash", model_type="laguna"), specs)
     sliding, full = text.splitlines()
     assert "draft group" not in sliding and full.endswith("<- draft group")
     assert "L6*, L7*, L8*" in full
 
 
-def test_explorer_redraws_for_every_control():
+def _explorer():
     from dflash_lab.widgets import kv_groups_explorer
 
     box = kv_groups_explorer()
-    (preset, method), (layout, sliding, hybrid_off) = box.children[0].children, box.children[1].children
-    for name in kv.PRESETS:
-        preset.value = name
-        assert method.value == kv.PRESETS[name]["method"]
+    (preset, method, layout), (flagger,), (sliding, marked, hybrid_off) = (c.children for c in box.children[:3])
+    controls = SimpleNamespace(preset=preset, method=method, layout=layout, flagger=flagger, sliding=sliding,
+                               marked=marked, hybrid_off=hybrid_off, status=box.children[3])
+    return controls, box.children[4], box.children[5]
+
+
+def _rows(fig):
+    return len(set(y for t in fig.data for y in t.y))
+
+
+def test_explorer_redraws_for_every_control():
+    c, layout_fig, memory_fig = _explorer()
+    assert c.preset.value == "laguna_xs2_dflash"  # the real Poolside shape comes first
+    assert _rows(layout_fig) == 3
+    for name in kv_presets.PRESETS:
+        c.preset.value = name
+        assert c.method.value == kv_presets.PRESETS[name]["method"]
         for value in ("BLHNC", "LBHNC"):
-            layout.value = value
-    layout_fig, memory_fig = box.children[2:]
-    hybrid_off.value = True  # vLLM 0.33 cannot do this for the DeepSeek shape: said, not raised
-    assert "cannot disable the hybrid manager" in layout_fig.layout.title.text and layout_fig.data
-    preset.value = "laguna_dflash"
-    assert len(set(y for t in layout_fig.data for y in t.y)) == 1  # one group with the manager off
-    sliding.value = True
-    assert "drafter layers: sliding attention" in layout_fig.layout.title.text
+            c.layout.value = value
+        for flagger in ("engine", "seed", "lab"):
+            c.flagger.value = flagger
+            assert kv_groups_explorer_title_names(flagger) in layout_fig.layout.title.text
+    c.preset.value = "laguna_dflash"
+    c.sliding.value = True
+    c.hybrid_off.value = True
+    assert _rows(layout_fig) == 1 and "hybrid manager disabled" in layout_fig.layout.title.text
     assert len(memory_fig.data) == 3
+
+
+def kv_groups_explorer_title_names(flagger):
+    from dflash_lab.widgets.kv_groups import FLAGGERS
+
+    return FLAGGERS[flagger]
+
+
+def test_explorer_never_shows_a_hybrid_manager_state_it_did_not_apply():
+    # Issue 14: vLLM 0.33 cannot disable the hybrid manager for the Mamba hybrid or the
+    # DeepSeek shape; the box must then be unticked and greyed out, not ticked over an
+    # enabled grouping.
+    c, layout_fig, _ = _explorer()
+    c.hybrid_off.value = True
+    assert _rows(layout_fig) == 1
+    for name in ("qwen3_5_mtp", "deepseek_v4"):
+        c.preset.value = name
+        assert c.hybrid_off.disabled and c.hybrid_off.value is False
+        assert "hybrid manager disabled" not in layout_fig.layout.title.text
+        assert "cannot disable the hybrid manager" in c.status.value
+        c.hybrid_off.value = True  # a disabled box ticked by code is put back
+        assert c.hybrid_off.value is False or "hybrid manager disabled" in layout_fig.layout.title.text
+    c.preset.value = "laguna_s21_dflash"
+    assert not c.hybrid_off.disabled
+
+
+def test_explorer_runs_what_the_marker_and_flagger_controls_say():
+    c, layout_fig, _ = _explorer()
+    c.preset.value = "qwen3_5_mtp"
+    assert not c.marked.disabled and c.sliding.disabled
+    c.flagger.value = "engine"
+    assert "DRAFT" not in " ".join(layout_fig.layout.yaxis.categoryarray)  # unmarked: vLLM finds nothing
+    assert "could be identified" in layout_fig.layout.title.text  # ... and warns
+    c.marked.value = True
+    assert sum("DRAFT" in y for y in layout_fig.layout.yaxis.categoryarray) == 1
+    c.preset.value = "laguna_xs2_dflash"
+    assert c.marked.disabled and c.marked.value is False
+    assert "DRAFT" not in " ".join(layout_fig.layout.yaxis.categoryarray)  # 0.33 flags no DFlash group
 
 
 # ---------------------------------------------------------------------------
@@ -454,17 +530,18 @@ def test_explorer_redraws_for_every_control():
 @pytest.mark.parametrize(
     ("call", "error", "names"),
     [
-        (lambda: kv.kv_cache_groups(kv.laguna_dflash_specs(), method="medusa"), ValueError, "method 'medusa'"),
-        (lambda: kv.uses_trailing_mtp_layers("mtp", "not_a_model"), ValueError, "model_type 'not_a_model'"),
-        (lambda: kv.annotate_draft_groups(3, None, kv.laguna_dflash_specs(), []), TypeError, "method must be"),
-        (lambda: kv.kv_cache_groups(kv.laguna_dflash_specs(), layout="LBXYZ"), ValueError, "layout 'LBXYZ'"),
+        (lambda: kv.kv_cache_groups(kv_specs.laguna_dflash_specs(), method="medusa"), ValueError, "method 'medusa'"),
+        (lambda: kv.uses_trailing_mtp_layers("mtp", "  "), ValueError, "model_type is empty"),
+        (lambda: kv.uses_trailing_mtp_layers("mtp", 7), TypeError, "model_type must be a string or None"),
+        (lambda: kv.annotate_draft_groups(3, None, kv_specs.laguna_dflash_specs(), []), TypeError, "method must be"),
+        (lambda: kv.kv_cache_groups(kv_specs.laguna_dflash_specs(), layout="LBXYZ"), ValueError, "layout 'LBXYZ'"),
         (lambda: kv.kv_cache_groups({}), ValueError, "kv_cache_spec is empty"),
-        (lambda: kv.kv_cache_groups({"": kv.laguna_dflash_specs()["model.layers.0.self_attn.attn"]}), ValueError,
+        (lambda: kv.kv_cache_groups({"": kv_specs.laguna_dflash_specs()["model.layers.0.self_attn.attn"]}), ValueError,
          "kv_cache_spec: a layer name is empty"),
         (lambda: kv.kv_cache_groups({"model.layers.0.attn": "full"}), TypeError, "kv_cache_spec['model.layers.0.attn']"),
-        (lambda: kv.group_memory([], kv_budget_bytes=1 << 20), ValueError, "groups is empty"),
+        (lambda: kv_layout.group_memory([], kv_budget_bytes=1 << 20), ValueError, "groups is empty"),
     ],
-    ids=["unknown-method", "unknown-model-type", "method-type", "layout", "empty-spec", "empty-name",
+    ids=["unknown-method", "empty-model-type", "model-type-type", "method-type", "layout", "empty-spec", "empty-name",
          "not-a-spec", "no-groups"],
 )
 def test_bad_arguments_are_rejected_by_name(call, error, names):
@@ -474,7 +551,7 @@ def test_bad_arguments_are_rejected_by_name(call, error, names):
 
 
 def test_duplicate_layer_names_are_rejected():
-    spec = kv.laguna_dflash_specs()["model.layers.0.self_attn.attn"]
+    spec = kv_specs.laguna_dflash_specs()["model.layers.0.self_attn.attn"]
     pairs = [("model.layers.0.self_attn.attn", spec), ("model.layers.0.self_attn.attn", spec)]
     with pytest.raises(ValueError, match=r"kv_cache_spec: layer name 'model\.layers\.0\.self_attn\.attn' appears twice"):
         kv.kv_cache_groups(pairs)
@@ -484,11 +561,11 @@ def test_duplicate_layer_names_are_rejected():
 
 @pytest.mark.parametrize("where", ["target", "drafter"])
 def test_layer_types_of_the_wrong_length_are_rejected(where):
-    target = dict(kv.EXAMPLE_LAGUNA_CONFIG)
-    drafter = kv.example_dflash_drafter_config(target)
+    target = dict(kv_specs.EXAMPLE_LAGUNA_CONFIG)
+    drafter = kv_specs.example_dflash_drafter_config(target)
     (target if where == "target" else drafter)["layer_types"] = ["full_attention"] * 5
     with pytest.raises(ValueError, match=f"{where} config: `layer_types` has 5 entries but num_hidden_layers is"):
-        kv.laguna_dflash_specs(target, drafter)
+        kv_specs.laguna_dflash_specs(target, drafter)
 
 
 @pytest.mark.parametrize(
@@ -502,37 +579,39 @@ def test_layer_types_of_the_wrong_length_are_rejected(where):
     ],
 )
 def test_bad_target_config_values_name_their_key(edit, error, message):
-    config = {**kv.EXAMPLE_LAGUNA_CONFIG, **edit}
+    config = {**kv_specs.EXAMPLE_LAGUNA_CONFIG, **edit}
     with pytest.raises(error) as info:
-        kv.laguna_target_specs(config)
+        kv_specs.laguna_target_specs(config)
     assert message in str(info.value)
 
 
 def test_deepseek_v4_compress_ratio_must_divide_the_block():
-    with pytest.raises(ValueError, match="compress_ratio 128 must divide block_size 64"):
-        kv.deepseek_v4_specs(compress_ratio=128)
+    with pytest.raises(ValueError, match="compress_ratio 128 must divide kv_block_size 64"):
+        kv_specs.deepseek_v4_specs(compress_ratio=128)
 
 
 def test_unknown_dtype_and_preset_are_rejected():
     with pytest.raises(ValueError, match="dtype 'bf17'"):
-        kv.laguna_target_specs(kv.EXAMPLE_LAGUNA_CONFIG, dtype="bf17")
+        kv_specs.laguna_target_specs(kv_specs.EXAMPLE_LAGUNA_CONFIG, dtype="bf17")
     with pytest.raises(ValueError, match="preset 'llama'"):
-        kv.preset_specs("llama")
+        kv_presets.preset_specs("llama")
+    with pytest.raises(ValueError, match=r"layer_names: \['model.layers.99.self_attn.attn'\] are not layers"):
+        kv_specs.mark_draft_layers(kv_specs.laguna_dflash_specs(), ["model.layers.99.self_attn.attn"])
 
 
 def test_hybrid_manager_disabled_failure_is_a_clear_error():
     # vLLM 0.33 cannot promote Mamba layers to one spec type; say so, with the setting.
     with pytest.raises(ValueError, match="hybrid_manager_disabled=True"):
-        kv.kv_cache_groups(kv.qwen3_5_hybrid_specs(), method="mtp", model_type="qwen3_5", hybrid_manager_disabled=True)
+        kv.kv_cache_groups(kv_specs.qwen3_5_hybrid_specs(), method="mtp", model_type="qwen3_5", hybrid_manager_disabled=True)
 
 
 def test_load_config_names_the_file(tmp_path):
     bad = tmp_path / "config.json"
     bad.write_text("{not json")
     with pytest.raises(ValueError, match=str(bad)):
-        kv.load_config(tmp_path)
+        kv_presets.load_config(tmp_path)
     with pytest.raises(FileNotFoundError, match="nope.json"):
-        kv.load_config(tmp_path / "nope.json")
+        kv_presets.load_config(tmp_path / "nope.json")
 
 
 # ---------------------------------------------------------------------------
@@ -547,7 +626,8 @@ def _python(code: str) -> subprocess.CompletedProcess:
 def test_importing_the_lab_does_not_import_vllm():
     run = _python("""
         import sys
-        import dflash_lab, dflash_lab.kv_groups, dflash_lab.viz, dflash_lab.widgets
+        import dflash_lab, dflash_lab.kv_specs, dflash_lab.kv_groups, dflash_lab.kv_layout, dflash_lab.viz, dflash_lab.widgets
+        import dflash_lab.kv_presets, dflash_lab.kv_engine
         print(sorted(m for m in sys.modules if m == "vllm" or m.startswith("vllm.")))
     """)
     assert run.returncode == 0, run.stderr
@@ -558,7 +638,7 @@ def test_missing_vllm_raises_an_import_error_that_says_how_to_install_it():
     run = _python("""
         import sys
         sys.modules["vllm"] = None  # as if vLLM were not installed
-        from dflash_lab import kv_groups, viz, widgets
+        from dflash_lab import kv_groups, kv_layout, kv_specs, viz, widgets
         try:
             kv_groups.kv_cache_groups({"model.layers.0.self_attn.attn": None})
         except ImportError as exc:

@@ -1,4 +1,4 @@
-"""`python -m dflash_lab.report`: self-contained pages for notebooks that run, a traceback and exit 1 for one that fails."""
+"""`python -m dflash_lab.tools.report`: self-contained pages for notebooks that run, a traceback and exit 1 for one that fails."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import sys
 import nbformat
 import pytest
 
-from dflash_lab import report
+from dflash_lab.tools import report
 
 KERNELSPEC = {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"}
 
@@ -44,7 +44,7 @@ def write_notebook(path, cells) -> None:
 
 def run_report(*args, cwd):
     return subprocess.run(
-        [sys.executable, "-m", "dflash_lab.report", *map(str, args)],
+        [sys.executable, "-m", "dflash_lab.tools.report", *map(str, args)],
         cwd=cwd, capture_output=True, text=True, timeout=600,
     )
 

@@ -115,7 +115,7 @@ def test_greedy_is_lossless_for_every_acceptance_length(pair, block_size, monkey
     target, drafter = pair
     prompt, n_new = PROMPTS[1], 30
     reference = target_greedy(target, prompt, n_new + block_size)[0].tolist()
-    monkeypatch.setattr(spec_decode, "dflash_draft_logits", oracle_draft_logits(reference, target.config.vocab_size))
+    monkeypatch.setattr(spec_decode.loop, "dflash_draft_logits", oracle_draft_logits(reference, target.config.vocab_size))
     result = speculative_generate(target, drafter, torch.tensor([prompt]), max_new_tokens=n_new, block_size=block_size)
     assert result.output_ids[0].tolist() == reference[:len(prompt) + n_new]
     lengths = set(result.stats.acceptance_lengths)
@@ -127,7 +127,7 @@ def test_drafter_context_grows_by_accepted_positions_only(pair, monkeypatch):
     target, drafter = pair
     prompt, n_new, block_size = PROMPTS[0], 25, 6
     reference = target_greedy(target, prompt, n_new + block_size)[0].tolist()
-    monkeypatch.setattr(spec_decode, "dflash_draft_logits", oracle_draft_logits(reference, target.config.vocab_size))
+    monkeypatch.setattr(spec_decode.loop, "dflash_draft_logits", oracle_draft_logits(reference, target.config.vocab_size))
     result = speculative_generate(target, drafter, torch.tensor([prompt]), max_new_tokens=n_new, block_size=block_size)
     context = result.context
     assert context.length == result.steps[-1].position - 1  # everything before the last step's x_t
@@ -281,13 +281,14 @@ def toy_pair():
     return target, drafter
 
 
-def first_speculated_tokens(toy_pair, n_samples):
+def first_speculated_tokens(toy_pair, n_samples, draft_sample_method="greedy"):
     """Sample prompt -> x1 (from the prefill) -> x2 (the first drafted position) n times."""
     target, drafter = toy_pair
     prompt = torch.tensor([[1, 7, 9, 4, 12]])
     pairs = []
     for seed in range(n_samples):
-        r = speculative_generate(target, drafter, prompt, max_new_tokens=2, block_size=4, temperature=1.0, seed=seed)
+        r = speculative_generate(target, drafter, prompt, max_new_tokens=2, block_size=4, temperature=1.0, seed=seed,
+                                 draft_sample_method=draft_sample_method)
         pairs.append(r.new_token_ids)
     return np.array(pairs)
 
@@ -303,18 +304,48 @@ def target_marginals(target, prompt=(1, 7, 9, 4, 12)):
 
 
 @pytest.mark.slow
-def test_speculative_sampling_follows_the_target_distribution(toy_pair, monkeypatch):
+@pytest.mark.parametrize("draft_sample_method", ["greedy", "probabilistic"])
+def test_speculative_sampling_follows_the_target_distribution(toy_pair, monkeypatch, draft_sample_method):
     """The first generated token comes from the target's prefill; the second is the first
-    drafted position, so its marginal is where a wrong acceptance rule shows."""
+    drafted position, so its marginal is where a wrong acceptance rule shows. Both of vLLM's
+    draft_sample_methods must be lossless."""
     target, drafter = toy_pair
     p1, p2 = target_marginals(target)
-    samples = first_speculated_tokens(toy_pair, 400)
+    samples = first_speculated_tokens(toy_pair, 400, draft_sample_method)
     assert chi2_pvalue(samples[:, 0], p1) > 1e-3
     assert chi2_pvalue(samples[:, 1], p2) > 1e-3
 
-    monkeypatch.setattr(spec_decode, "rejection_sample", blind_accept)
-    wrong = first_speculated_tokens(toy_pair, 400)
+    monkeypatch.setattr(spec_decode.loop, "rejection_sample", blind_accept)
+    wrong = first_speculated_tokens(toy_pair, 400, draft_sample_method)
     assert chi2_pvalue(wrong[:, 1], p2) < 1e-6, "the test cannot tell blind acceptance from rejection sampling"
+
+
+@pytest.mark.parametrize("draft_sample_method", ["greedy", "probabilistic"])
+def test_draft_sample_method_decides_how_drafts_are_chosen(pair, monkeypatch, draft_sample_method):
+    """vLLM's default ("greedy") drafts the drafter's argmax even when sampling; "probabilistic" samples from q."""
+    target, drafter = pair
+    seen = []
+    original = spec_decode.loop.dflash_draft_logits
+
+    def recording(*args, **kwargs):
+        seen.append(original(*args, **kwargs))
+        return seen[-1]
+
+    monkeypatch.setattr(spec_decode.loop, "dflash_draft_logits", recording)
+    r = speculative_generate(target, drafter, PROMPTS[0], max_new_tokens=24, block_size=8, temperature=1.0, seed=3,
+                             draft_sample_method=draft_sample_method)
+    drafts = [torch.tensor(s.draft_ids) for s in r.steps if s.draft_ids]
+    argmax_drafts = [logits.argmax(-1) for logits in seen]
+    assert len(drafts) == len(argmax_drafts) >= 3
+    same = all(torch.equal(d, a[: len(d)]) for d, a in zip(drafts, argmax_drafts))
+    assert same is (draft_sample_method == "greedy")
+    assert r.stats.draft_sample_method == draft_sample_method
+
+
+def test_greedy_decoding_records_no_draft_sample_method(pair):
+    target, drafter = pair
+    r = speculative_generate(target, drafter, PROMPTS[0], max_new_tokens=6, block_size=4)
+    assert r.stats.draft_sample_method is None
 
 
 def test_seeded_sampling_is_reproducible(pair):
@@ -387,7 +418,7 @@ def test_stats_of_a_run_agree_with_its_steps(pair, monkeypatch):
     target, drafter = pair
     prompt, n_new, block_size = PROMPTS[1], 30, 5
     reference = target_greedy(target, prompt, n_new + block_size)[0].tolist()
-    monkeypatch.setattr(spec_decode, "dflash_draft_logits", oracle_draft_logits(reference, target.config.vocab_size))
+    monkeypatch.setattr(spec_decode.loop, "dflash_draft_logits", oracle_draft_logits(reference, target.config.vocab_size))
     r = speculative_generate(target, drafter, prompt, max_new_tokens=n_new, block_size=block_size)
     s, drafted = r.stats, [st for st in r.steps if st.draft_ids]
     assert s.num_drafts == len(drafted) == len(r.steps) - 1  # every step but the prefill drafts
@@ -423,7 +454,7 @@ def test_max_new_tokens_is_exact_even_mid_block(pair, monkeypatch, max_new_token
     target, drafter = pair
     prompt, block_size = PROMPTS[0], 6
     reference = target_greedy(target, prompt, 13 + block_size)[0].tolist()
-    monkeypatch.setattr(spec_decode, "dflash_draft_logits", oracle_draft_logits(reference, target.config.vocab_size))
+    monkeypatch.setattr(spec_decode.loop, "dflash_draft_logits", oracle_draft_logits(reference, target.config.vocab_size))
     r = speculative_generate(target, drafter, prompt, max_new_tokens=max_new_tokens, block_size=block_size)
     assert r.output_ids[0].tolist() == reference[:len(prompt) + max_new_tokens]
     assert r.stats.num_generated_tokens == max_new_tokens
@@ -478,6 +509,8 @@ BAD_ARGS = [
     ("negative-seed", dict(seed=-1), ValueError, r"seed must be None or a non-negative integer"),
     ("stop-outside-vocab", dict(stop_token_ids=[512]), ValueError, r"stop_token_ids must be token ids in \[0, 512\)"),
     ("unknown-drafter-name", dict(drafter="eagle"), ValueError, r"drafter must be a DFlashLagunaDrafter, 'ngram' or a proposer, got 'eagle'"),
+    ("unknown-draft-sample-method", dict(draft_sample_method="typical"), ValueError,
+     r"draft_sample_method must be one of \['greedy', 'probabilistic'\].*got 'typical'"),
     ("not-a-drafter", dict(drafter=object()), TypeError, r"drafter must be a DFlashLagunaDrafter, 'ngram' or a proposer"),
 ]
 
@@ -620,7 +653,7 @@ def test_tokens_are_coloured_by_origin(pair, monkeypatch):
     target, drafter = pair
     prompt, block_size = PROMPTS[1], 5
     reference = target_greedy(target, prompt, 30 + block_size)[0].tolist()
-    monkeypatch.setattr(spec_decode, "dflash_draft_logits", oracle_draft_logits(reference, target.config.vocab_size))
+    monkeypatch.setattr(spec_decode.loop, "dflash_draft_logits", oracle_draft_logits(reference, target.config.vocab_size))
     r = speculative_generate(target, drafter, prompt, max_new_tokens=30, block_size=block_size)
     page = viz.acceptance_tokens_html(r, lambda ids: f"<{ids[0]}>")
     accepted = sum(min(st.num_accepted, len(st.token_ids)) for st in r.steps)

@@ -12,7 +12,8 @@ from dflash_lab import corpus, train
 from dflash_lab.assets import HELDOUT_PROMPTS, DEFAULT_TARGET, heldout_prompts
 from dflash_lab.config import DFlashDrafterConfig
 from dflash_lab.drafter import DFlashLagunaDrafter
-from dflash_lab.target import build_target, tiny_laguna_config
+from dflash_lab.runtime import load_tokenizer
+from dflash_lab.target import build_target, target_forward, tiny_laguna_config
 
 VOCAB = 256
 
@@ -89,7 +90,7 @@ def test_files_containing_a_heldout_prompt_are_dropped():
 
 
 def test_shipped_tokenizer_has_the_specials_and_round_trips_code():
-    tok = train.load_tokenizer(DEFAULT_TARGET)
+    tok = load_tokenizer(DEFAULT_TARGET)
     assert len(tok) == 4096
     assert (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id, tok.mask_token_id) == (0, 1, 2, 3)
     code = 'class Café:\n\tdef f(self, x=1_000):\n        return f"{x!r}"  # ünïcode ✓\n\n'
@@ -121,8 +122,8 @@ def test_block_position_j_learns_the_target_prediction_made_at_anchor_plus_j_min
     ids = torch.randint(4, VOCAB, (2, 24))
     anchors = torch.tensor([[2, 9], [5, 20]])
     bs = 4
-    _, last = train.target_features(target, ids, [0, 1])
-    labels = target.lm_head(train.gather_positions(last, train.label_positions(anchors, bs))).argmax(-1)  # (B, A, bs-1)
+    _, labels = train.target_soft_labels(target, ids, anchors, [0, 1], bs)
+    labels = labels.argmax(-1)  # (B, A, bs-1)
     full = target(input_ids=ids).logits.argmax(-1)  # prediction made at each position
     for b in range(2):
         for a in range(2):
@@ -143,7 +144,7 @@ def test_drafter_context_excludes_positions_at_or_after_the_anchor():
     drafter = DFlashLagunaDrafter(dcfg).eval()
     ids = torch.randint(4, VOCAB, (1, 24))
     anchors = torch.tensor([[6, 12]])
-    aux, _ = train.target_features(target, ids, dcfg.target_layer_ids)
+    aux = target_forward(target, ids, dcfg.target_layer_ids, use_cache=False).aux_hidden
     with torch.no_grad():
         base = train.draft_logits_for(target, drafter, ids, anchors, aux, 4)
         later = aux.clone()
@@ -164,7 +165,7 @@ def test_a_short_block_inside_a_long_layout_drafts_like_a_real_short_block():
     drafter = DFlashLagunaDrafter(dcfg).eval()
     ids = torch.randint(4, VOCAB, (1, 24))
     anchors = torch.tensor([[6, 12]])
-    aux, _ = train.target_features(target, ids, dcfg.target_layer_ids)
+    aux = target_forward(target, ids, dcfg.target_layer_ids, use_cache=False).aux_hidden
     with torch.no_grad():
         mixed = train.draft_logits_for(target, drafter, ids, anchors, aux, 4, lengths=torch.tensor([[2, 4]]))
         short = train.draft_logits_for(target, drafter, ids, anchors[:, :1], aux, 2)
@@ -188,15 +189,16 @@ def test_degenerate_continuations_are_flagged():
 # --- replaying greedy speculative decoding ------------------------------------------------
 
 
-def test_replay_counts_drafts_like_vllm():
+def test_replay_counts_drafts_with_the_decoders_stats():
     prompt_len, k = 2, 3
     greedy = torch.arange(20)  # the target's greedy sequence: prompt [0, 1], then 2, 3, ...
     drafts = torch.stack([greedy[prompt_len + a + 1: prompt_len + a + 1 + k] for a in range(12)])
     drafts[0, 2] = -1  # block at 2: accept 2 drafts, bonus -> next block at 5
     drafts[3, 0] = -1  # block at 5: accept 0, bonus -> next block at 6
     # block at 6 accepts all 3 -> next at 10 ; block at 10 accepts 3 -> generated 12 tokens >= 10: stop
-    r = train.replay_greedy_decoding(greedy, drafts, prompt_len, max_new_tokens=10)
-    assert r == {"num_drafts": 4, "num_accepted_tokens": 8, "num_accepted_tokens_per_pos": [3, 3, 2]}
+    r = train.replay_greedy_decoding(greedy, drafts, prompt_len, max_new_tokens=10)  # counted by observe_draft
+    assert (r.num_drafts, r.num_accepted_tokens, r.num_accepted_tokens_per_pos) == (4, 8, [3, 3, 2])
+    assert r.acceptance_lengths == [3, 1, 4, 4] and r.num_draft_tokens == 4 * k
 
 
 # --- a few steps learn --------------------------------------------------------------------

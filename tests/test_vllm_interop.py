@@ -58,7 +58,8 @@ from vllm.transformers_utils.config import get_config  # noqa: E402
 from vllm.utils.torch_utils import set_default_torch_dtype  # noqa: E402
 
 from dflash_lab.checkpoint import save_drafter  # noqa: E402
-from dflash_lab.drafter import CONTEXT_KV_PATHS, dflash_attention_mask  # noqa: E402
+from dflash_lab.context_kv import CONTEXT_KV_PATHS  # noqa: E402
+from dflash_lab.drafter import dflash_attention_mask  # noqa: E402
 
 SHARED_WITH_TARGET = {"model.embed_tokens.weight", "lm_head.weight"}  # vLLM takes these from the target
 CASES = [  # (layers, layer type, gating): both layer types, both gate shapes
@@ -309,7 +310,9 @@ def test_block_forward_matches_vllm(vllm_pair, monkeypatch, layers, layer_type, 
     embeds = torch.randn(block_size, cfg.hidden_size, generator=torch.Generator().manual_seed(9))
     for j, layer in enumerate(model.model.layers):
         attn = layer.self_attn
-        mask = dflash_attention_mask(positions[None], ctx_positions, block_size, attn.sliding_window)[0]
+        window, causal = qwen3_dflash._resolve_layer_attention(vllm.hf, j)  # vLLM's own rule for this layer
+        assert (window, causal) == (cfg.window, cfg.is_causal)
+        mask = dflash_attention_mask(positions[None], ctx_positions, block_size, window, causal=causal)[0]
         layer.self_attn.attn = StandInAttention(ctx_k[j], ctx_v[j], mask, attn.num_heads, attn.num_kv_heads, attn.head_dim)
     with set_current_vllm_config(vllm.vllm_config), torch.no_grad():
         theirs = model(input_ids=None, positions=positions, inputs_embeds=embeds)

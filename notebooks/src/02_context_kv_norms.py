@@ -6,18 +6,28 @@
 #
 # Before a block is drafted, every drafter layer needs keys and values for every
 # context position: the positions the target has already processed. DFlash computes
-# them once from the target's hidden features and only appends the newly accepted
-# positions after each step. For drafter layer *l* and context state *x*:
+# them once from the target's hidden features and then extends them after each step.
+# vLLM projects context K/V for **every verified position** of a step, rejected drafts
+# included: those rows sit in their cache slots, hidden from attention by `seq_lens`,
+# and are overwritten by the next step (`v1/spec_decode/dflash.py:183-188`). The lab
+# appends only the accepted positions: the same K/V wherever attention can look, at a
+# smaller cost. For drafter layer *l* and context state *x*:
 #
 # K = RoPE(K-norm(W_K · RMSNorm_l(x))),  V = W_V · RMSNorm_l(x)
 #
-# The lab computes this three ways, side by side in `dflash_lab/drafter.py`:
+# The lab computes this three ways, side by side in `dflash_lab/context_kv.py`:
 #
 # | path | what it does |
 # |---|---|
 # | `reference` | a loop over layers: the readable definition |
-# | `batched` | vLLM 0.33's structure: stacked weights, one batched RMSNorm of L copies of the context, one batched GEMM, one batched K-norm, RoPE on all layers at once |
+# | `batched` | vLLM 0.33's *structure* in plain torch ops: stacked weights, one batched RMSNorm of L copies of the context, one batched GEMM, one batched K-norm, RoPE on all layers at once |
 # | `folded` | ours: fold each layer's RMSNorm weight into its K/V rows once, normalise the context once, ONE GEMM for every layer's K and V, then K-norm + RoPE in one pass |
+#
+# `batched` follows vLLM's three methods (`_build_context_kv_buffers`,
+# `_project_context_kv`, `_normalize_context_k`), but vLLM runs its own kernels there:
+# a grouped `ops.rms_norm` and an in-place `ops.rotary_embedding`
+# (`laguna_dflash.py:189-198, 211-217`). So any speed-up the lab shows is over a torch
+# re-implementation of vLLM's structure, not over vLLM itself.
 
 # %%
 import os
@@ -32,13 +42,13 @@ import torch.nn.functional as F
 from dflash_lab import viz
 from dflash_lab.assets import default_device, load_default_pair
 from dflash_lab.config import DFlashDrafterConfig
+from dflash_lab.context_kv import context_kv_agreement
 from dflash_lab.drafter import DFlashLagunaDrafter, dflash_attention_mask
-from dflash_lab.repro import seed_everything
+from dflash_lab.runtime import seed_everything
 from dflash_lab.target import build_target, target_forward, target_layer_ids_spread, tiny_laguna_config
-from dflash_lab.drafter import context_kv_agreement
 from dflash_lab.widgets import CONTEXT_KV_DTYPES, context_kv_path_explorer, sliding_window_explorer
 
-seed_everything(0)
+_ = seed_everything(0)  # (it returns a seeded generator; this chapter does not need one)
 
 # %% [markdown]
 # We use the shipped trained pair (the tiny Laguna target and its DFlash drafter)
@@ -156,10 +166,12 @@ viz.k_norm_effect_figure(k_before, k, positions=positions)
 # ## 4 · Three paths, one answer
 #
 # The paths differ in the order of operations, so they agree to rounding: within
-# 1e-5 in float32; in bfloat16 within 6e-2 at worst and 5e-3 on average (K has unit
-# RMS after K-norm, and a bfloat16 step near 2 is 0.016). Trained K-norm weights can
-# push |K| past 4, where one bfloat16 step is 2⁻⁵, so there the worst case may be two
-# steps (`context_kv_tolerance`).
+# 1e-5 (relative to the largest value) in float32. In bfloat16 the worst-case bound
+# **scales with the largest |K| or |V|**: two bfloat16 steps at that magnitude (at
+# least 6e-2), and 5e-3 on average (`context_kv_tolerance`). K has unit RMS after
+# K-norm, but trained K-norm weights push |K| past 4, where one step is 2⁻⁵; V is not
+# normalised at all. At Laguna-XS.2 shapes the measured worst case was 0.078–0.125.
+# The cell prints the bound that applied here.
 
 # %%
 drafter32 = copy.deepcopy(drafter).float()
@@ -171,7 +183,9 @@ for dtype_name in CONTEXT_KV_DTYPES:
         ref = model.precompute_context_kv(context32.to(dtype), positions, path="reference")
         for path in ("batched", "folded"):
             out = model.precompute_context_kv(context32.to(dtype), positions, path=path)
-            print(f"{dtype_name:8s} {path:7s} agrees with reference: {context_kv_agreement(out, ref)['ok']}")
+            agree = context_kv_agreement(out, ref)
+            print(f"{dtype_name:8s} {path:7s} agrees with reference: {agree['ok']} "
+                  f"(worst-case bound {agree['max_tol']:.2g} at max |K|,|V| {max(r.abs().max().item() for r in ref):.2g})")
 
 # %% [markdown]
 # Switch the path and the dtype: the left panel is that path's ‖K‖, the right panel
@@ -183,23 +197,33 @@ for dtype_name in CONTEXT_KV_DTYPES:
 context_kv_path_explorer(drafter32, context32, positions)
 
 # %% [markdown]
-# ## 5 · What the sliding window hides
+# ## 5 · What the sliding window hides, and what causality hides
 #
-# A block of 8 starts right after 24 context positions. Every query sees the whole
-# block (no causal mask inside it) and the context before the block. With a sliding
-# window of *w*, a query at position *p* sees only keys at positions > *p − w*: the
-# window limits **compute**. The K/V store itself stays full (vLLM gives DFlash
-# drafter layers a full-attention KV cache even when they slide), because the next
-# block's queries sit further right and the store is written at absolute positions.
+# A block of 8 starts right after 24 context positions. Every query sees the context
+# before the block. Inside the block, vLLM decides per layer (`_dflash_layer_causal`,
+# first match wins): `is_causal` or `dflash_config.causal` if the config sets one;
+# otherwise a layer is **causal exactly when it is `sliding_attention`**. A causal
+# query sees the block keys at or before its own position; a non-causal one sees the
+# whole block. Poolside's real drafters (Laguna-S-2.1-DFlash, XS-2.1) are sliding and
+# causal; the DFlash paper's are full attention and non-causal. Why causal for sliding
+# layers: vLLM's sliding-window kernels are causal windows `(w, 0)`, and a causal
+# drafter can reuse them and the same cache layout as the target's sliding layers.
+#
+# With a sliding window of *w*, a causal query at position *p* sees only keys at
+# positions > *p − w* (window `(w, 0)`); for a non-causal layer vLLM makes the window
+# symmetric (`_maybe_symmetrize_window`: `(w, w)`, |*p* − *k*| < *w*). The window limits
+# **compute**: the K/V store stays full (vLLM gives DFlash drafter layers a
+# full-attention KV cache even when they slide), because the next block's queries sit
+# further right and the store is written at absolute positions.
 
 # %%
 block_positions = torch.arange(24, 32)[None]
-for window in (8, 4, None):
-    mask = dflash_attention_mask(block_positions, torch.arange(24), block_size=8, window=window)[0]
-    print(f"window {str(window):4s}: context keys seen per block query {mask[:, :24].sum(-1).tolist()}, "
-          f"block keys seen {mask[:, 24:].sum(-1).tolist()}")
+for causal in (True, False):
+    for window in (8, 4, None):
+        mask = dflash_attention_mask(block_positions, torch.arange(24), block_size=8, window=window, causal=causal)[0]
+        print(f"{'causal    ' if causal else 'non-causal'} window {str(window):4s}: context keys seen per block query "
+              f"{mask[:, :24].sum(-1).tolist()}, block keys seen {mask[:, 24:].sum(-1).tolist()}")
 
-# %% [markdown]
 # Toggle the window and move its size: blue cells are context keys a query sees,
 # orange cells block keys, grey cells hidden.
 
@@ -212,7 +236,7 @@ sliding_window_explorer(context_len=24, block_size=8, window=8)
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-print(f"{cfg.layer_type}, window {cfg.window}")
+print(f"{cfg.layer_type}, window {cfg.window}, causal inside the block: {cfg.is_causal}")
 
 # %% [markdown]
 # **Where next.** Chapter 3 puts the context K/V to work: draft, verify, accept, and

@@ -32,13 +32,14 @@ from IPython.display import HTML
 from tqdm.auto import tqdm
 
 from dflash_lab import viz
-from dflash_lab.assets import ROOT, default_device, heldout_prompts, load_default_pair
+from dflash_lab.assets import default_device, heldout_prompts, load_default_pair
 from dflash_lab.metrics import stats_from_prometheus_text
-from dflash_lab.repro import rounded, seed_everything
+from dflash_lab.repro import rounded
+from dflash_lab.runtime import REPO_ROOT, seed_everything
 from dflash_lab.spec_decode import generate_on_prompts, speculative_generate
 from dflash_lab.widgets import acceptance_explorer
 
-seed_everything(0)
+_ = seed_everything(0)  # (it returns a seeded generator; this chapter does not need one)
 
 # %% [markdown]
 # The shipped pair: the tiny Laguna code target and its DFlash drafter, loaded on the
@@ -68,8 +69,7 @@ PROMPT_TOKENS, MAX_NEW = 64, 32
 
 
 def encode(text: str) -> list[int]:
-    enc = tokenizer(text)["input_ids"] if callable(tokenizer) else tokenizer.encode(text).ids
-    return list(enc)[-PROMPT_TOKENS:]
+    return tokenizer(text)["input_ids"][-PROMPT_TOKENS:]
 
 
 heldout = heldout_prompts()
@@ -255,7 +255,7 @@ explorer
 # subtract a scrape taken before your run (`after − before`) to isolate it.
 
 # %%
-metrics_text = (ROOT / "notebooks" / "data" / "vllm_metrics_example.txt").read_text()
+metrics_text = (REPO_ROOT / "notebooks" / "data" / "vllm_metrics_example.txt").read_text()
 print([line for line in metrics_text.splitlines() if line.startswith("vllm:spec_decode_num_drafts_total")])
 served = stats_from_prometheus_text(metrics_text)  # both engines, summed
 engine0 = stats_from_prometheus_text(metrics_text, engine=0)  # or select by label

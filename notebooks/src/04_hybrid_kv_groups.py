@@ -1,22 +1,42 @@
 # %% [markdown]
 # # Chapter 4 · Hybrid KV-cache groups: which group is the drafter's?
 #
-# **Question.** A hybrid model mixes sliding-window, full-attention and Mamba/GDN
-# layers, and a speculative drafter adds attention layers of its own. How does vLLM
-# pack all of them into *KV-cache groups*, and how does it know which group belongs
-# to the drafter?
+# **Question.** A Laguna target mixes sliding-window and full-attention layers, and its
+# DFlash drafter adds attention layers of its own. How does vLLM 0.33 pack all of them
+# into *KV-cache groups*, which group holds the drafter, and does vLLM need to know?
 #
-# Every layer that keeps state per request is described by a **KV-cache spec**
-# (`FullAttentionSpec`, `SlidingWindowSpec`, `MambaSpec`, the MLA specs, ...). vLLM
-# groups the layers so that the layers of one group share one **block table**: the
-# same block ids, allocated and freed together. The scheduler also has to know which
-# groups hold the drafter's layers (`KVCacheGroupSpec.is_eagle_group`). If it gets this
-# wrong, either the drafter's blocks are never found, or, on a hybrid model, Mamba
-# state is treated as draft cache.
+# ## In plain words
 #
-# Everything below runs **vLLM 0.33's own grouping** (`get_kv_cache_groups`) on the
-# CPU. The lab builds the per-layer specs and applies the drafter-group rules of
-# upstream vLLM #55390 on top (`dflash_lab/kv_groups.py`).
+# While a model generates, every attention layer keeps the keys and values (K/V) of
+# every token it has seen: the **KV cache**. vLLM stores it in fixed-size *blocks*
+# (16 tokens each here), and each request has a **block table**, the list of block ids
+# that hold its tokens.
+#
+# Layers whose caches behave alike can share one block table: the same block ids,
+# allocated and freed together. Such a set of layers is a **KV-cache group**. A hybrid
+# model needs several groups, because its layers behave differently: a sliding-window
+# layer only needs the last 512 tokens and can free older blocks, a full-attention
+# layer must keep them all, and a Mamba/GDN layer keeps one fixed-size state instead
+# of per-token K/V.
+#
+# A drafter adds layers of its own. DFlash's drafter keeps K/V of the target's context
+# (chapter 2), so its layers need a KV cache, and vLLM puts them into one of the groups.
+#
+# **Why the drafter's group can matter: prefix caching.** When a new request starts
+# with a prompt vLLM has already seen, it reuses the cached blocks instead of
+# recomputing them. For EAGLE-style drafters (eagle, eagle3, MTP) the draft K/V at a
+# position was built from the *next* token, which the new request may not share; so
+# vLLM can give back the last matched block in the drafter's groups and recompute it.
+# To know where, it flags the drafter's groups (`is_eagle_group`). DFlash builds its
+# K/V from the target's hidden states alone, so it never needs this.
+#
+# The rest of the chapter runs **vLLM 0.33's own code** on the CPU: its grouping
+# (`get_kv_cache_groups`), its engine-level annotation (`get_global_kv_cache_groups`),
+# its exact-partition check and its `SpeculativeConfig` predicates. On top of that it
+# applies the drafter-group rules of upstream vLLM #55390 (a patch 0.33 does not have),
+# and says where the lab goes beyond them. The lab's code: `kv_specs.py` (per-layer
+# specs), `kv_presets.py` (the models), `kv_groups.py` (grouping + #55390's rules),
+# `kv_engine.py` (vLLM 0.33's engine path), `kv_layout.py` (rows and memory per group).
 
 # %%
 import logging
@@ -24,39 +44,42 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # the grouping is host-side bookkeeping
-# vLLM's and torch's own notes (padding layers, platform hints, deprecations) would
-# land in the printouts; the memory tables below show the facts that matter here.
-for noisy in ("vllm", "torch"):
-    logging.getLogger(noisy).setLevel(logging.ERROR)
+logging.getLogger("vllm").setLevel(logging.ERROR)  # vLLM's platform notes (no GPU, no Triton) are not this chapter's
 
+import dataclasses
+from collections import Counter
 from pathlib import Path
 
-from dflash_lab import kv_groups as kv
+from dflash_lab import kv_engine, kv_groups, kv_layout, kv_presets, kv_specs
 from dflash_lab import viz
-from dflash_lab.repro import seed_everything
+from dflash_lab.runtime import seed_everything
 from dflash_lab.widgets import kv_groups_explorer
 
-seed_everything(0)  # nothing here is random; kept so every chapter starts the same way
+# torch sets its own loggers' levels when it is imported (just now): quiet its
+# deprecation notes, which importing vLLM would otherwise print as warning boxes.
+logging.getLogger("torch").setLevel(logging.ERROR)
+_ = seed_everything(0)  # nothing here is random; kept so every chapter starts the same way
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-# The first call imports vLLM (a few seconds; torch may print platform notes).
-print("vLLM", kv.vllm_version())
+# The first call imports vLLM (a few seconds).
+print("vLLM", kv_specs.vllm_version())
 
 
 # %% [markdown]
-# Small helpers keep the cells short. `group` runs vLLM's grouping plus the rules and
-# prints one line per group (`*` marks a layer whose spec carries the draft marker,
-# `<- draft group` a flagged group); `group_both` does it on both layouts. `draw` turns
-# groups into a figure: one row per group, one cell per layer, coloured by spec kind.
+# Small helpers keep the cells short. `group` runs vLLM's grouping plus the lab's
+# rules and prints one line per group (`*` marks a layer whose spec carries the draft
+# marker, `<- draft group` a flagged group); `engine` does the same with vLLM 0.33's
+# engine-level annotation and nothing else; `draw` turns groups into a figure: one row
+# per group, one cell per layer, coloured by spec kind.
 
 # %%
 def group(specs, method, model_type, layout="LBHNC", **kwargs):
-    with kv.captured_warnings() as warned:
-        groups = kv.kv_cache_groups(specs, method=method, model_type=model_type, layout=layout, **kwargs)
-    print(kv.format_groups(groups, specs))
+    with kv_groups.captured_warnings() as warned:
+        groups = kv_groups.kv_cache_groups(specs, method=method, model_type=model_type, layout=layout, **kwargs)
+    print(kv_layout.format_groups(groups, specs))
     for message in warned:
-        print("WARNING:", message)
+        print("lab WARNING:", message)
     return groups, (warned[0] if warned else None)
 
 
@@ -64,297 +87,446 @@ def group_both(specs, method, model_type):
     """`group` on the general and the packed layout; the groups of each, by layout."""
     found = {}
     for layout in ("LBHNC", "BLHNC"):
-        print(f"{layout} ({kv.LAYOUTS[layout]})")
+        print(f"{layout} ({kv_groups.LAYOUTS[layout]})")
         found[layout], _ = group(specs, method, model_type, layout=layout)
     return found
 
 
-def draw(groups, specs, title, warning=None):
-    return viz.kv_group_layout_figure(kv.describe_groups(groups, specs), title=title, warning=warning)
+def engine(specs, method, layout="LBHNC", quiet=False):
+    groups, warned = kv_engine.engine_kv_cache_groups(specs, method=method, layout=layout)
+    if not quiet:
+        print(kv_layout.format_groups(groups, specs))
+    for message in warned:
+        print("vLLM WARNING:", message)
+    return groups, (warned[0] if warned else None)
+
+
+def flagged(groups):
+    return [f"g{i}" for i, g in enumerate(groups) if g.is_eagle_group]
+
+
+def draw(groups, specs, title, warning=None, missing=()):
+    return viz.kv_group_layout_figure(kv_layout.describe_groups(groups, specs), title=title, warning=warning,
+                                      missing=missing)
 
 
 # %% [markdown]
-# ## 1 · Three models and their groups
+# ## 1 · Real Laguna pairs: how many groups?
 #
-# ### Laguna + DFlash
+# Poolside's Laguna-XS.2 target has 40 layers (30 sliding-window, 10 full attention,
+# 8 KV heads × 128). Its DFlash drafter (XS-2.1-DFlash's published shape) adds 5
+# layers. Laguna-S-2.1 has 48 layers (36 sliding, 12 full) and its drafter 6. vLLM's
+# `DFlashLagunaModel` registers drafter layer *j* after the target's layers
+# (`model.layers.{40 + j}` for XS.2), so the caches never collide. The drafter layers
+# are sliding-window layers, but their **cache is full attention**: DFlash writes the
+# verifier's context K/V at absolute cache slots, and the window only limits what a
+# query reads. vLLM's runner marks every drafter attention spec with `is_draft=True`.
 #
-# A Laguna-shaped target: (sliding, sliding, full) × 2. Its DFlash drafter has 3
-# layers. vLLM's `DFlashLagunaModel` registers drafter layer *j* as
-# `model.layers.{6 + j}`, after the target's layers, so the two caches never collide.
-# Its cache is **full attention** even if its layers are sliding-window layers, because
-# DFlash writes the verifier's context K/V at absolute cache slots. The model runner
-# marks each drafter attention spec with `is_draft=True`.
+# vLLM's own `get_kv_cache_groups` groups them:
 
 # %%
-laguna = kv.laguna_dflash_specs()
-for name, spec in laguna.items():
-    print(f"{name:32s} {type(spec).__name__:18s} window={getattr(spec, 'sliding_window', None)} is_draft={spec.is_draft}")
+pairs = {"XS.2 + XS-2.1-DFlash (shape)": "laguna_xs2_dflash", "S-2.1 + S-2.1-DFlash": "laguna_s21_dflash",
+         "toy (chapter 1 shape)": "laguna_dflash"}
+real = {}
+for label, name in pairs.items():
+    specs = kv_presets.preset_specs(name)
+    groups = kv_groups.vllm_kv_cache_groups(specs)  # vLLM 0.33's grouping: nothing flagged yet
+    kinds = Counter(kv_layout.spec_kind(s) for s in specs.values())
+    n_draft = sum(s.is_draft for s in specs.values())
+    real[name] = specs, groups
+    print(f"{label}: {len(specs)} layers = {kinds['sliding_window']} sliding + "
+          f"{kinds['full_attention'] - n_draft} full + {n_draft} drafter (full-attention cache)")
+    print(f"   -> {len(groups)} groups of {sorted({len(g.layer_names) for g in groups})} layers: "
+          + ", ".join(f"{kv_layout.spec_kind(g.kv_cache_spec)} x{len(g.layer_names)}" for g in groups))
+
+# %% [markdown]
+# **Why three groups, and why the toy has two.** vLLM first sorts the layers into
+# buckets of equal spec (sliding, full), then gives every group the same number of
+# layers, so that one block id means the same number of bytes in every group
+# (`kv_cache_planning.py:522-532`). The group size is the smallest bucket, unless the
+# largest bucket is less than 1.5 × the smallest: then it is the largest bucket, and
+# the smaller one is padded.
 
 # %%
+for label, name in pairs.items():
+    specs, groups = real[name]
+    buckets = sorted(Counter(kv_layout.spec_kind(s) for s in specs.values()).values())
+    smallest, largest = buckets[0], buckets[-1]
+    rule = (f"{largest} < 1.5 x {smallest}: group size {largest}, the smaller bucket padded"
+            if largest < 1.5 * smallest else f"{largest} >= 1.5 x {smallest}: group size {smallest}, larger buckets split")
+    print(f"{label:30s} buckets {buckets}: {rule} -> {[len(g.layer_names) for g in groups]}")
+
+# %% [markdown]
+# So at real shapes the drafter lands in **one group of 15 (XS.2) or 18 (S-2.1)
+# full-attention layers together with all the target's full-attention layers**, and the
+# sliding layers fill two more groups of the same size. With the lab's rules applied
+# (section 4) that group is flagged; `*` marks the drafter's layers:
+
+# %%
+xs2_specs = real["laguna_xs2_dflash"][0]
+xs2_groups, _ = group(xs2_specs, "dflash", "laguna")
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+draw(xs2_groups, xs2_specs, "Laguna-XS.2 + 5-layer DFlash drafter · general layout (LBHNC)").show()
+
+# %% [markdown]
+# All groups draw their blocks from one pool, and a block is as wide as the widest
+# group. Here every group has 15 layers of the same page size, so nothing is wasted.
+# Per GiB of KV budget:
+
+# %%
+xs2_memory = kv_layout.group_memory(xs2_groups, kv_budget_bytes=1 << 30)
+for m in xs2_memory:
+    print(f"g{m.group} {m.kind:15s} layers={m.num_layers} block={m.kv_block_size} tok "
+          f"group={m.bytes_per_block:,} B/block unused={m.unused_bytes_per_block} B/block "
+          f"blocks={m.num_blocks:,} tokens={m.tokens:,}")
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+viz.kv_group_memory_figure(xs2_memory, title="Laguna-XS.2 + DFlash · memory per group for 1 GiB").show()
+
+# %% [markdown]
+# ### The toy pair: padding
+#
+# The toy target of chapter 1 is (sliding, sliding, full) × 2 with a 3-layer drafter:
+# 4 sliding and 5 full layers. 5 < 1.5 × 4, so both groups get 5 layers and the
+# sliding group one padding slot, which costs memory: the sliding group leaves one
+# page of every block it owns empty.
+
+# %%
+laguna = real["laguna_dflash"][0]
 laguna_groups, _ = group(laguna, "dflash", "laguna")
-
-# %%
-# NBVAL_IGNORE_OUTPUT
-draw(laguna_groups, laguna, "Laguna + DFlash · general layout (LBHNC)").show()
-
-# %% [markdown]
-# vLLM first sorts layers by spec: 4 sliding, 5 full (2 target + 3 drafter). Then it
-# gives every group the same number of layers, so that one block id means the same
-# number of bytes in every group. The 4 sliding layers get one padding slot. The
-# drafter's layers end up in **one group with the target's full-attention layers 2
-# and 5**.
-#
-# The memory table shows what that costs. All groups draw blocks from one pool, and a
-# block is as wide as the widest group, so the sliding group leaves one page of every
-# block it owns empty.
-
-# %%
-for m in kv.group_memory(laguna_groups, kv_budget_bytes=1 << 30):
-    print(f"g{m.group} {m.kind:15s} layers={m.num_layers} block={m.block_size} tok "
-          f"group={m.bytes_per_block} B/block pool={m.pool_bytes_per_block} B/block unused={m.unused_bytes_per_block} "
-          f"blocks={m.num_blocks} tokens={m.tokens}")
-
-# %%
-# NBVAL_IGNORE_OUTPUT
-viz.kv_group_memory_figure(kv.group_memory(laguna_groups), title="Laguna + DFlash · memory per group for 1 GiB").show()
+for m in kv_layout.group_memory(laguna_groups, kv_budget_bytes=1 << 30):
+    print(f"g{m.group} {m.kind:15s} layers={m.num_layers} group={m.bytes_per_block} B/block "
+          f"pool={m.pool_bytes_per_block} B/block unused={m.unused_bytes_per_block} B/block")
 
 # %% [markdown]
 # **General and packed layouts.** The layout says how pages sit in memory. `LBHNC`
 # keeps each layer's pages together (layer outermost). `BLHNC` puts block outermost, so
 # one block holds a page of every layer. On a block-outermost layout vLLM takes its
 # *packed* path, which can put pages of different sizes side by side in one block, but
-# only when page sizes differ. Here every layer has the same page size, so both
-# layouts group alike:
+# only when page sizes differ. In both Laguna pairs every layer has the same page size,
+# so both layouts group alike. A drafter whose attention is shaped differently from
+# the target's changes this. Give the toy drafter 4 KV heads instead of 2: its page
+# doubles. On the general path vLLM makes the pages equal again by doubling the
+# *target's* block size, and the drafter gets groups of its own (2 + 1 layers, both
+# found by the marker). On the packed path the drafter's pages sit next to the
+# target's full-attention pages in one group.
 
 # %%
-_ = group(laguna, "dflash", "laguna", layout="BLHNC")
-
-# %% [markdown]
-# A drafter whose attention is shaped differently from the target's changes this.
-# Give the drafter 4 KV heads instead of 2: its page doubles. On the general path vLLM
-# makes the pages equal again by doubling the *target's* block size, and the drafter
-# gets groups of its own (2 + 1 layers, both flagged by the marker). On the packed path
-# the drafter's pages sit next to the target's full-attention pages in one group.
-
-# %%
-wide_drafter = dict(kv.example_dflash_drafter_config(kv.EXAMPLE_LAGUNA_CONFIG), num_key_value_heads=4)
-laguna_wide = kv.laguna_dflash_specs(drafter_config=wide_drafter)
+wide_drafter = dict(kv_specs.example_dflash_drafter_config(kv_specs.EXAMPLE_LAGUNA_CONFIG), num_key_value_heads=4)
+laguna_wide = kv_specs.laguna_dflash_specs(drafter_config=wide_drafter)
 wide = group_both(laguna_wide, "dflash", "laguna")
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-draw(wide["LBHNC"], laguna_wide, "Drafter with 4 KV heads · general layout (LBHNC)").show()
-draw(wide["BLHNC"], laguna_wide, "Drafter with 4 KV heads · packed layout (BLHNC)").show()
+draw(wide["LBHNC"], laguna_wide, "Toy drafter with 4 KV heads · general layout (LBHNC)").show()
+draw(wide["BLHNC"], laguna_wide, "Toy drafter with 4 KV heads · packed layout (BLHNC)").show()
 
 # %% [markdown]
-# ### Qwen3.5-shaped hybrid + MTP
+# ### Two other hybrids, for the rules below
 #
-# Repeating [GDN, GDN, GDN, full attention] blocks. A Gated DeltaNet layer keeps a
-# fixed-size state (a `MambaSpec`), whatever the sequence length. The MTP drafter
-# `mtp.layers.0` reuses the target's decoder layer, so its spec is *identical* to the
-# target's attention and carries no marker. Before grouping, vLLM's platform code grows
-# the attention block until one attention page holds at least one GDN state, then pads
-# the GDN page to the same size. The builder does the same here:
+# **Qwen3.5-shaped + MTP.** Repeating [GDN, GDN, GDN, full attention] blocks. A Gated
+# DeltaNet layer keeps a fixed-size state (a `MambaSpec`). The MTP drafter
+# `mtp.layers.0` reuses the target's decoder layer, so its spec has the same shape as
+# the target's attention. Before grouping, vLLM's platform code grows the attention
+# block until one attention page holds at least one GDN state, then pads the GDN page
+# to the same size; the builder does the same here.
+#
+# **DeepSeek-V4-shaped + MTP.** Each decoder layer keeps two MLA caches: a
+# sliding-window one (`swa_attn`, one latent per token) and a compressed one (`attn`,
+# one latent per 4 tokens). The MTP draft layer `model.layers.3` reuses the target's
+# decoder layer and registers last. The two caches have different page sizes, so the
+# general path makes the pages equal (the compressed cache gets a 4× larger block),
+# while the packed path keeps each layer's own page and splits the sliding-window
+# layers into one group each.
 
 # %%
-qwen = kv.qwen3_5_hybrid_specs()
+qwen = kv_specs.qwen3_5_hybrid_specs()
 attn, gdn = qwen["model.layers.3.self_attn.attn"], qwen["model.layers.0.linear_attn"]
 print("attention block:", attn.block_size, "tokens;", "page:", attn.page_size_bytes, "B")
 print("GDN state:", gdn.real_page_size_bytes, "B, padded to", gdn.page_size_bytes, "B")
-print("MTP layer spec == target attention spec:", qwen["mtp.layers.0.self_attn.attn"] == attn)
-
-# %%
 qwen_groups, _ = group(qwen, "mtp", "qwen3_5")
-
-# %%
-# NBVAL_IGNORE_OUTPUT
-draw(qwen_groups, qwen, "Qwen3.5 hybrid + MTP · general layout (LBHNC)").show()
-viz.kv_group_memory_figure(kv.group_memory(qwen_groups), title="Qwen3.5 hybrid + MTP · memory per group for 1 GiB").show()
-
-# %% [markdown]
-# ### DeepSeek-V4-shaped + MTP
-#
-# Each decoder layer keeps two MLA caches: a sliding-window one with one latent per
-# token (`swa_attn`) and a compressed one with one latent per 4 tokens (`attn`). The
-# MTP draft layer `model.layers.3` reuses the target's decoder layer: same specs, no
-# marker, registered last. The two caches have different page sizes, so the layouts
-# now differ:
-#
-# * the general path makes the pages equal (the compressed cache gets a 4× larger
-#   block) and forms two groups;
-# * the packed path keeps each layer's own page and splits the sliding-window layers
-#   into one group each, so that every group fills about one block.
-
-# %%
-dsv4 = kv.deepseek_v4_specs()
+dsv4 = kv_specs.deepseek_v4_specs()
 dsv4_groups = group_both(dsv4, "mtp", "deepseek_v4")
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-draw(dsv4_groups["LBHNC"], dsv4, "DeepSeek-V4-shaped + MTP · general layout (LBHNC)").show()
+draw(qwen_groups, qwen, "Qwen3.5 hybrid + MTP · general layout (LBHNC)").show()
 draw(dsv4_groups["BLHNC"], dsv4, "DeepSeek-V4-shaped + MTP · packed layout (BLHNC)").show()
-viz.kv_group_memory_figure(kv.group_memory(dsv4_groups["BLHNC"], layout="BLHNC"),
-                           title="DeepSeek-V4-shaped · packed · memory per group").show()
 
 # %% [markdown]
-# ## 2 · The rules that flag the drafter's group (upstream vLLM #55390)
+# ## 2 · The draft marker in vLLM 0.33
 #
-# vLLM 0.33's `get_kv_cache_groups` flags no group. The lab applies three rules on
-# top, for the EAGLE family of drafters (eagle, eagle3, mtp, dflash, dspark: drafters
-# that read the target's hidden states and keep a KV cache of their own):
+# When vLLM 0.33 loads a drafter, it marks **every** attention layer the drafter adds,
+# MTP included: the proposer sets `is_draft_layer` on each layer that was not there
+# before the drafter loaded (`v1/spec_decode/llm_base_proposer.py:1328-1335`), and the
+# model runner copies that into the layer's spec as `is_draft=True`
+# (`v1/worker/gpu_model_runner.py:7114-7115`). An MTP layer's spec still *compares
+# equal* to the target's attention spec, because the field is declared with
+# `compare=False` (`v1/kv_cache_interface.py:215`): the marker never changes a grouping.
 #
-# 1. **Marker rule.** A group that holds a layer whose spec carries `is_draft` is the
-#    drafter's. It works wherever the grouping puts the layer, but only for drafters
-#    whose layers are marked.
-# 2. **Trailing-layer rule.** An MTP block reuses the target's decoder layer (no
-#    marker) and always registers after every target layer. So the group holding the
-#    **last registered layer** is the drafter's. This holds for MTP on any model, and
-#    for `dspark` on DeepSeek V4/V4.1. The rule is applied only when the groups
-#    partition the layers **exactly** (each layer in exactly one group). Otherwise
-#    "the group holding the last layer" could be no group, or two.
-# 3. **Warning.** If a drafter is on, no group is flagged and some group holds Mamba
-#    layers, log *"no KV cache group could be identified as the draft model's"*. vLLM's
-#    coordinator then falls back to flagging **every** group, Mamba state included.
-#
-# Which drafters does the trailing-layer rule cover?
+# The MTP spec dicts above leave the marker off. That reproduces the *premise of
+# #55390's tests* (an MTP layer nobody can tell apart from the target's), not what a
+# 0.33 engine sees. `mark_draft=True` gives 0.33's runtime specs. vLLM's own classes:
 
 # %%
-for method in kv.EAGLE_METHODS:
-    print(f"{method:7s}", {mt: kv.uses_trailing_mtp_layers(method, mt) for mt in ("deepseek_v4", "deepseek_v41", "qwen3_5", "laguna")})
+marked_qwen = kv_specs.qwen3_5_hybrid_specs(mark_draft=True)
+mtp_unmarked, mtp_marked = qwen["mtp.layers.0.self_attn.attn"], marked_qwen["mtp.layers.0.self_attn.attn"]
+is_draft_field = next(f for f in dataclasses.fields(mtp_marked) if f.name == "is_draft")
+print("is_draft: unmarked", mtp_unmarked.is_draft, "| marked", mtp_marked.is_draft,
+      "| field compare =", is_draft_field.compare)
+print("marked MTP spec == target attention spec:", mtp_marked == attn)
+same = [g.layer_names for g in kv_groups.vllm_kv_cache_groups(marked_qwen)] == [g.layer_names for g in qwen_groups]
+print("marked and unmarked dicts group identically:", same)
+
+# %% [markdown]
+# ## 3 · What the flag does in vLLM 0.33, and for which drafters
+#
+# In 0.33 `is_eagle_group` is read by prefix caching only:
+#
+# * with the **last-block drop** on, the flagged groups give back the last block of a
+#   prefix-cache hit and recompute it; if no group is flagged, the coordinator drops in
+#   **every** group (`v1/core/kv_cache_coordinator.py:129-137`);
+# * the flags also gate Mamba *shared-prefix checkpoints*
+#   (`v1/core/kv_cache_manager.py:187-192`, an opt-in cache setting).
+#
+# Which methods need the drop is vLLM's own predicate,
+# `SpeculativeConfig.needs_eagle_block_drop()` (`config/speculative.py:2122-2149`).
+# The lab calls it, and `VllmConfig.num_hash_lookahead_tokens`, on a default config:
+
+# %%
+print(f"{'method':7s} {'use_eagle':>9s} {'needs drop':>10s} {'lookahead hashes':>16s} "
+      f"{'drops (default)':>15s} {'drops (lookahead hashes off)':>28s}")
+drops = {}
+for method in kv_groups.EAGLE_METHODS:
+    d = kv_engine.block_drop(method)
+    drops[method] = d
+    off = kv_engine.block_drop(method, disable_lookahead_block_hashes=True)
+    print(f"{method:7s} {d.use_eagle!s:>9s} {d.needs_eagle_block_drop!s:>10s} {d.num_hash_lookahead_tokens:>16d} "
+          f"{d.drops_last_block!s:>15s} {off.drops_last_block!s:>28s}")
+
+# %% [markdown]
+# So **DFlash and dspark never drop**: their draft K/V at a position does not depend on
+# the next token. Eagle, eagle3 and MTP need the drop, but with prefix caching on and
+# no KV connector, 0.33 extends each block's hash over the next token instead
+# (*lookahead block hashes*), and the scheduler then turns the drop off
+# (`v1/core/sched/scheduler.py:331, 342-345`). The drop runs with
+# `disable_lookahead_block_hashes` or a KV connector.
+#
+# **What a missed flag costs.** Not the drafter's blocks: every group gets its blocks,
+# flagged or not. Where the drop runs, a drafter group left unflagged while another
+# group is flagged keeps the last block of a cache hit, and the drafter reuses draft
+# K/V built from a next token the new request may not have: **stale draft K/V**
+# (lower acceptance; the target still verifies every token). With no group flagged the
+# coordinator drops in every group instead: more recomputation, never stale.
+#
+# ## 4 · Who flags the drafter's group
+#
+# ### vLLM 0.33's engine, without #55390
+#
+# `get_global_kv_cache_groups` (`kv_cache_planning.py:1650-1656`) applies one rule,
+# and only when `use_eagle_block_drop()`: a group holding an `is_draft` layer is the
+# drafter's. If a hybrid then has no flagged group, vLLM warns. Run as the engine does:
+
+# %%
+engine_cases = [
+    ("XS.2 + DFlash", xs2_specs, "dflash"),
+    ("Qwen3.5 + MTP, unmarked (#55390's premise)", qwen, "mtp"),
+    ("Qwen3.5 + MTP, marked (0.33 runtime)", marked_qwen, "mtp"),
+    ("DeepSeek-V4 + MTP, marked (0.33 runtime)", kv_specs.deepseek_v4_specs(mark_draft=True), "mtp"),
+    ("toy Laguna layers served as eagle3 (marked)", laguna, "eagle3"),
+]
+engine_flags = {}
+for label, specs, method in engine_cases:
+    print(f"{label} (method={method}):")
+    groups, _ = engine(specs, method, quiet=True)
+    engine_flags[label] = flagged(groups)
+    print("   flagged:", engine_flags[label] or "none", f"of {len(groups)} groups")
+
+# %% [markdown]
+# With its runtime markers, vLLM 0.33 finds an MTP drafter's groups by itself, on both
+# hybrids. It flags nothing for DFlash, and needs nothing: DFlash has no drop to feed.
+# The warning fires only on the unmarked spec dict, a situation the 0.33 runtime does
+# not produce.
+#
+# ### The rules of upstream vLLM #55390 (as seeded on 0.33), and the lab's extension
+#
+# #55390's annotator **returns at once unless `use_eagle_block_drop()`**, like 0.33's.
+# Behind that gate it has three rules:
+#
+# 1. **Marker rule.** A group holding a layer whose spec carries `is_draft` is the
+#    drafter's, wherever the grouping puts the layer.
+# 2. **Trailing-layer rule** (`_uses_trailing_mtp_layers`). An MTP block registers after
+#    every target layer, so the group holding the **last registered layer** is the
+#    drafter's. The rule is on for `mtp` on any model type, and for **every**
+#    EAGLE-family method (eagle, eagle3, mtp, dflash, dspark) when the target's
+#    `model_type` is `deepseek_v4` or `deepseek_v41`; any model type is accepted,
+#    known to the installed libraries or not (a remote-code `mimo` too). It is applied
+#    only when the groups partition the layers **exactly**.
+# 3. **Warning.** If the drop is on, no group is flagged and some group holds Mamba
+#    layers, warn: the coordinator will drop in every group, Mamba state included.
+#    vLLM 0.33 already warns at the same place (`kv_cache_planning.py:1044-1071`).
+#
+# **The lab's extension.** `kv_groups.kv_cache_groups` applies rules 1 and 2 to every
+# EAGLE-family method, dflash and dspark included, although the seed's gate never lets
+# them run for those on 0.33 (`flag_without_block_drop=False` gives the seed exactly).
+# Flagging a DFlash group is the lab's way of *showing* where the drafter sits; in 0.33
+# no code reads that flag for DFlash. Rule 3 warns only where the drop runs.
+#
+# Rule 2 and vLLM's drop predicate, per method (`mimo` is a remote-code model type):
+
+# %%
+model_types = ("deepseek_v4", "deepseek_v41", "qwen3_5", "laguna", "mimo")
+print(f"{'method':7s} {'seed runs':>9s}  trailing-layer rule on: " + "  ".join(f"{t:>12s}" for t in model_types))
+for method in kv_groups.EAGLE_METHODS:
+    row = "  ".join(f"{kv_groups.uses_trailing_mtp_layers(method, t)!s:>12s}" for t in model_types)
+    print(f"{method:7s} {kv_groups.needs_eagle_block_drop(method)!s:>9s}  {'':23s}{row}")
 
 # %% [markdown]
 # ### Case 1 · DeepSeek V4 on the packed path: the group holding its last layer
 #
-# The draft layer `model.layers.3.self_attn.attn` has no marker. Only its position
-# finds it: for MTP, and for dspark on DeepSeek V4 and V4.1.
+# Unmarked, the draft layer `model.layers.3` is found only by its position. Under the
+# lab's rules every EAGLE-family method on `deepseek_v4`/`deepseek_v41` flags the group
+# holding the last registered layer; under the seed only eagle, eagle3 and MTP do
+# (dflash and dspark never pass its gate):
 
 # %%
 last_layer = next(reversed(dsv4))
 print("last registered layer:", last_layer)
-for method, model_type in [("mtp", "deepseek_v4"), ("dspark", "deepseek_v4"), ("dspark", "deepseek_v41")]:
-    groups = kv.kv_cache_groups(dsv4, method=method, model_type=model_type, layout="BLHNC")
-    flagged = [i for i, g in enumerate(groups) if g.is_eagle_group]
-    print(f"{method:6s} on {model_type:12s} -> flagged: {['g%d' % i for i in flagged]}, "
-          f"holds the last layer: {[last_layer in groups[i].layer_names for i in flagged]}")
+for model_type in ("deepseek_v4", "deepseek_v41"):
+    for method in kv_groups.EAGLE_METHODS:
+        lab = kv_groups.kv_cache_groups(dsv4, method=method, model_type=model_type, layout="BLHNC")
+        seed = kv_groups.kv_cache_groups(dsv4, method=method, model_type=model_type, layout="BLHNC",
+                                         flag_without_block_drop=False)
+        print(f"{method:6s} on {model_type:12s} lab: {flagged(lab)}  seed: {flagged(seed)}")
+
+# %% [markdown]
+# The draft layer keeps **two** caches, and the packed path puts its sliding-window
+# cache `L3:swa` in a group of its own. Rule 2 finds only the group of the very last
+# layer, so that group stays unflagged: exactly the missed flag of section 3 (the seed's
+# docstring names this limit). With 0.33's runtime markers, rule 1 finds both:
+
+# %%
+case1, _ = group(dsv4, "mtp", "deepseek_v4", layout="BLHNC")
+print("marked (0.33 runtime):")
+case1_marked, _ = group(kv_specs.deepseek_v4_specs(mark_draft=True), "mtp", "deepseek_v4", layout="BLHNC")
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-case1 = kv.kv_cache_groups(dsv4, method="dspark", model_type="deepseek_v41", layout="BLHNC")
-draw(case1, dsv4, "Case 1 · dspark on deepseek_v41, packed: the group holding the last layer").show()
+draw(case1, dsv4, "Case 1 · mtp on deepseek_v4, packed, unmarked: only the group holding the last layer").show()
 
 # %% [markdown]
 # ### Case 2 · MTP on any model type
 #
-# The same DeepSeek-shaped layers, served with MTP under other model types. The rule
-# does not depend on the model type, only on the method. With `dspark` on a model type
+# The same DeepSeek-shaped layers, served with MTP under other model types: rule 2 is
+# on for `mtp` whatever the model type, known or not. With `dspark` on a model type
 # other than DeepSeek V4/V4.1, nothing is flagged.
 
 # %%
-for method, model_type in [("mtp", "glm4_moe"), ("mtp", "laguna"), ("dspark", "glm4_moe")]:
-    groups = kv.kv_cache_groups(dsv4, method=method, model_type=model_type, layout="LBHNC")
-    print(f"{method:6s} on {model_type:9s} -> flagged:", [f"g{i}" for i, g in enumerate(groups) if g.is_eagle_group])
-
-# %%
-# NBVAL_IGNORE_OUTPUT
-case2 = kv.kv_cache_groups(dsv4, method="mtp", model_type="glm4_moe", layout="LBHNC")
-draw(case2, dsv4, "Case 2 · mtp with model_type=glm4_moe: found by position").show()
+for method, model_type in [("mtp", "glm4_moe"), ("mtp", "laguna"), ("mtp", "mimo"), ("dspark", "glm4_moe")]:
+    groups = kv_groups.kv_cache_groups(dsv4, method=method, model_type=model_type, layout="LBHNC")
+    print(f"{method:6s} on {model_type:9s} -> flagged:", flagged(groups))
 
 # %% [markdown]
-# ### Case 3 · Qwen3.5 hybrid + MTP: exactly one group, no Mamba group, no warning
+# ### Case 3 · Qwen3.5 hybrid + MTP, unmarked: exactly one group, no Mamba group
 #
-# Its MTP layer is spec-identical to the target's attention, so the marker rule cannot
-# find it. The trailing-layer rule finds exactly the attention group that holds it, and
-# no GDN group is flagged, on both layouts:
+# The marker rule has nothing to find; rule 2 finds exactly the attention group that
+# holds `mtp.layers.0`, and no GDN group is flagged, on both layouts:
 
 # %%
 _ = group_both(qwen, "mtp", "qwen3_5")
 
-# %%
-# NBVAL_IGNORE_OUTPUT
-draw(qwen_groups, qwen, "Case 3 · Qwen3.5 + MTP: only the group holding mtp.layers.0").show()
-
 # %% [markdown]
-# ### Case 4 · The same hybrid with eagle, eagle3 or dspark: nothing flagged, a warning
+# ### Case 4 · The same hybrid with eagle, eagle3 or dspark
 #
-# These drafters are not covered by the trailing-layer rule, and their layers carry no
-# marker in this spec dict. No group is flagged, and because GDN groups exist, the lab
-# warns. vLLM's coordinator would otherwise silently treat every group as draft cache.
+# Rule 2 is off for these on `qwen3_5`, and in this unmarked dict rule 1 has nothing to
+# find. For eagle and eagle3 the drop would run, so the lab warns, as vLLM 0.33 does;
+# for dspark nothing drops, so there is nothing to warn about:
 
 # %%
 for method in ("eagle", "eagle3", "dspark"):
     print(method)
     _, warning = group(qwen, method, "qwen3_5")
+    _ = engine(qwen, method, quiet=True)
 
 # %%
 # NBVAL_IGNORE_OUTPUT
 case4, warning = group(qwen, "eagle3", "qwen3_5")
-draw(case4, qwen, "Case 4 · Qwen3.5 + eagle3: no group flagged", warning=warning).show()
+draw(case4, qwen, "Case 4 · Qwen3.5 + eagle3, unmarked: no group flagged", warning=warning).show()
 
 # %% [markdown]
 # ### Case 5 · Groups that do not partition the layers exactly
 #
-# Suppose a caller drops one layer from its group, or lists a layer twice. The last
-# registered layer, `mtp.layers.0`, is still in a group, but the rule does not fire: its
-# premise (each layer in exactly one group) no longer holds.
+# Suppose a grouping drops a layer, or lists one twice. vLLM 0.33 never lets such a
+# grouping reach annotation: every grouping passes `get_kv_cache_groups_from_builder`,
+# which asserts an exact partition (`kv_cache_planning.py:1203-1230`,
+# `_check_exact_partition`). #55390 re-checks it as a gate on rule 2, so the
+# annotator is safe on its own too. vLLM's check, and the gate, on three groupings:
 
 # %%
 from vllm.v1.kv_cache_interface import KVCacheGroupSpec
 
-exact = kv.vllm_kv_cache_groups(qwen)
-dropped = [KVCacheGroupSpec([n for n in g.layer_names if n != "model.layers.0.linear_attn"], g.kv_cache_spec) for g in exact]
-duplicated = [KVCacheGroupSpec(g.layer_names + (["model.layers.0.linear_attn"] if i == 2 else []), g.kv_cache_spec)
+DROPPED = "model.layers.0.linear_attn"
+exact = kv_groups.vllm_kv_cache_groups(qwen)
+dropped = [KVCacheGroupSpec([n for n in g.layer_names if n != DROPPED], g.kv_cache_spec) for g in exact]
+duplicated = [KVCacheGroupSpec(g.layer_names + ([DROPPED] if i == 2 else []), g.kv_cache_spec)
               for i, g in enumerate(exact)]
 for label, groups in [("exact", exact), ("one layer dropped", dropped), ("one layer twice", duplicated)]:
-    kv.annotate_draft_groups("mtp", "qwen3_5", qwen, groups, use_trailing_layer_fallback=True)
-    print(f"{label:18s} partition exact: {kv.groups_partition_layers_exactly(qwen, groups)!s:5s} "
-          f"flagged: {[f'g{i}' for i, g in enumerate(groups) if g.is_eagle_group]}")
+    kv_groups.annotate_draft_groups("mtp", "qwen3_5", qwen, groups, use_trailing_layer_fallback=True)
+    print(f"{label:18s} vLLM: {kv_engine.partition_check(qwen, groups) or 'accepted'}")
+    print(f"{'':18s} #55390 gate: exact={kv_groups.groups_partition_layers_exactly(qwen, groups)!s:5s} "
+          f"-> flagged: {flagged(groups)}")
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-draw(dropped, qwen, "Case 5 · a layer dropped from its group: the trailing-layer rule stays off").show()
+draw(dropped, qwen, f"Case 5 · {DROPPED} dropped from its group: vLLM asserts, rule 2 stays off",
+     missing=kv_layout.ungrouped_layers(dropped, qwen)).show()
 
 # %% [markdown]
-# ### And DFlash: found by its marker
+# ### And DFlash: found by its marker (the lab's extension)
 #
-# The Laguna DFlash drafter is not an MTP block, so the trailing-layer rule is off for
-# it (`uses_trailing_mtp_layers('dflash', 'laguna')` is False). It does not need the
-# rule: its specs carry the marker. The group is found wherever its layers land, even
-# if they were registered first:
+# A DFlash drafter is not an MTP block, and on Laguna rule 2 is off for it. Its specs
+# carry the marker, so under the lab's rules rule 1 finds its group wherever its
+# layers land, even if they were registered first. The seed on 0.33 flags nothing:
 
 # %%
-drafter_first = dict(sorted(laguna.items(), key=lambda item: not item[1].is_draft))
+drafter_first = dict(sorted(xs2_specs.items(), key=lambda item: not item[1].is_draft))
+print("lab:")
 _ = group(drafter_first, "dflash", "laguna")
+seed_dflash = kv_groups.kv_cache_groups(xs2_specs, method="dflash", model_type="laguna", flag_without_block_drop=False)
+print("seed on 0.33 -> flagged:", flagged(seed_dflash) or "none")
 
 # %% [markdown]
-# **What happens to the target layers that share its group?** A group is one block
-# table, so the target's full-attention layers 2 and 5 are allocated, freed and
-# prefix-cache-matched together with the drafter's layers. They get the draft group's
-# treatment too. For EAGLE-style drafters that treatment is the *last-block drop*: the
-# draft K/V of the last position depends on a token that came after it, so the last
-# block of a cache hit is not reused, and the target layers in that group give up that
-# block as well. (DFlash builds its draft K/V from the target's hidden states alone, so
-# vLLM 0.33 does not drop the block for it: `needs_eagle_block_drop()` is False for
-# dflash and dspark.) The same sharing shows up in the extreme case where the hybrid
-# manager is disabled: sliding layers are promoted to full attention, and the whole
-# model forms one group, which is then the draft group:
+# **The target layers that share its group.** A group is one block table, so the
+# target's full-attention layers in the drafter's group (10 of 15 at XS.2) are
+# allocated, freed and prefix-cache-matched with the drafter's layers, and would share
+# any treatment the flag gives. For DFlash that treatment is nothing in 0.33. For an
+# EAGLE-style drafter with the drop on, those target layers give up the last block of a
+# cache hit too. The extreme case: with the hybrid manager disabled, sliding layers are
+# promoted to full attention and the whole model forms one group, which is then the
+# draft group:
 
 # %%
 _ = group(laguna, "dflash", "laguna", hybrid_manager_disabled=True)
 
 # %% [markdown]
-# ## 3 · Explore
+# ## 5 · Explore
 #
-# Pick a model, a method, a layout, whether the DFlash drafter's layers slide (its
-# cache stays full attention either way), and whether the hybrid manager is disabled.
-# vLLM 0.33 cannot disable it for the Mamba hybrid or for the DeepSeek shape; the
-# explorer then shows vLLM's error.
+# Pick a model (the Poolside pairs first), a method, a layout, and who flags the draft
+# group: the lab's rules, #55390 as seeded on 0.33, or vLLM 0.33's engine alone. For the
+# MTP models you can switch the runtime marker on; for the toy pair, the drafter's
+# layer types. vLLM 0.33 cannot disable the hybrid manager for the Mamba hybrid or the
+# DeepSeek shape; there the control is greyed out and unticked, and the line under the
+# controls says why, so the figure always shows what was run.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
 kv_groups_explorer()
 
 # %% [markdown]
-# ## 4 · Your own config
+# ## 6 · Your own config
 #
 # Point `TARGET_CONFIG` at a Laguna `config.json` (or set `DFLASH_LAB_TARGET` to a
 # checkpoint folder), and optionally `DRAFTER_CONFIG` at its DFlash drafter's. By
@@ -368,33 +540,52 @@ shipped = Path("../checkpoints/laguna-tiny-code/config.json")
 TARGET_CONFIG = os.environ.get("DFLASH_LAB_TARGET") or (shipped if shipped.exists() else None)
 DRAFTER_CONFIG = os.environ.get("DFLASH_LAB_DRAFTER")
 
-target_config = kv.load_config(TARGET_CONFIG) if TARGET_CONFIG else kv.EXAMPLE_LAGUNA_CONFIG
-drafter_config = kv.load_config(DRAFTER_CONFIG) if DRAFTER_CONFIG else None
+target_config = kv_presets.load_config(TARGET_CONFIG) if TARGET_CONFIG else kv_specs.EXAMPLE_LAGUNA_CONFIG
+drafter_config = kv_presets.load_config(DRAFTER_CONFIG) if DRAFTER_CONFIG else None
 print("target:", TARGET_CONFIG or "built-in Laguna-shaped example", "| drafter:", DRAFTER_CONFIG or "3-layer default")
-mine = kv.laguna_dflash_specs(target_config, drafter_config)
+mine = kv_specs.laguna_dflash_specs(target_config, drafter_config)
 mine_groups = group_both(mine, "dflash", "laguna")
 
 # %%
 # NBVAL_IGNORE_OUTPUT
 draw(mine_groups["BLHNC"], mine, "Your config · packed layout (BLHNC)").show()
-viz.kv_group_memory_figure(kv.group_memory(mine_groups["BLHNC"], layout="BLHNC"),
+viz.kv_group_memory_figure(kv_layout.group_memory(mine_groups["BLHNC"], layout="BLHNC"),
                            title="Your config · memory per group for 1 GiB").show()
 
 # %% [markdown]
-# ## Closing note: Laguna + DFlash in vLLM 0.33
+# ## Answer
 #
-# * **Which groups.** With the drafter shaped like the target (same KV heads and head
-#   dim, as in this chapter's preset), every layer has the same page
-#   size. Both layouts therefore take the same general path and produce two groups: the
-#   target's sliding-window layers, and the target's full-attention layers together
-#   with all drafter layers. The drafter's sliding window changes nothing here, because
-#   its cache is full attention either way. Only a drafter with a different page size
-#   separates the layouts: the general path gives it groups of its own, the packed path
-#   packs it next to the target's full-attention layers.
-# * **Which group is flagged.** vLLM 0.33's `get_kv_cache_groups` flags none. Its
-#   engine-level wrapper (`get_global_kv_cache_groups`) applies the marker rule only
-#   when the EAGLE last-block drop is on, and that is never the case for dflash. So vLLM
-#   0.33 leaves a DFlash drafter's group unflagged, and it has neither the
-#   trailing-layer rule nor the exact-partition check of #55390. With the rules applied
-#   here, the marker flags the full-attention group that holds the drafter, on both
-#   layouts. The target's full-attention layers in that group share its treatment.
+# Every number below is computed above, by vLLM 0.33's own functions.
+
+# %%
+for label, name in list(pairs.items())[:2]:
+    specs, groups = real[name]
+    lab = kv_groups.kv_cache_groups(specs, method="dflash", model_type="laguna")
+    (draft,) = [g for g in lab if g.is_eagle_group]
+    n_drafter = sum(specs[n].is_draft for n in draft.layer_names)
+    print(f"{label}: {len(groups)} groups of {len(groups[0].layer_names)} layers; the drafter's "
+          f"{n_drafter} layers share a full-attention group with {len(draft.layer_names) - n_drafter} target layers.")
+xs2_draft = next(m for m in xs2_memory if m.is_draft_group)
+print(f"XS.2 draft group: {xs2_draft.bytes_per_token:,.0f} B of KV per token, "
+      f"{xs2_draft.tokens:,} tokens per GiB of KV budget.")
+print(f"vLLM 0.33 flags the DFlash group: {bool(engine_flags['XS.2 + DFlash'])}; "
+      f"needs_eagle_block_drop('dflash') = {drops['dflash'].needs_eagle_block_drop}; "
+      f"#55390 as seeded flags: {flagged(seed_dflash) or 'none'}.")
+print(f"With runtime markers vLLM 0.33 finds an MTP drafter's group itself: "
+      f"Qwen3.5 {engine_flags['Qwen3.5 + MTP, marked (0.33 runtime)']}, "
+      f"DeepSeek-V4 {engine_flags['DeepSeek-V4 + MTP, marked (0.33 runtime)']}.")
+
+# %% [markdown]
+# * **How vLLM packs them.** Into groups of equal size, one block table each. At real
+#   Laguna shapes that is three groups: two of sliding-window layers and one of
+#   full-attention layers, which holds **all the drafter's layers together with every
+#   target full-attention layer** (its cache is full attention even though its layers
+#   slide). Only the toy's 4 + 5 layers give two groups.
+# * **Which group is the drafter's.** The full-attention group. With the lab's rules it
+#   is flagged by the draft marker, on both layouts; that flag is the lab's extension.
+# * **Does vLLM need to know?** Not for DFlash. In 0.33 the flag only feeds the
+#   prefix-cache last-block drop (and Mamba checkpoints), and DFlash never drops: its
+#   draft K/V does not depend on the next token. vLLM 0.33 therefore flags no group for
+#   DFlash, and neither does #55390 on 0.33. For EAGLE-style drafters the flag matters
+#   where the drop runs; 0.33 marks their layers at runtime and finds their groups by
+#   the marker, and a missed flag there means stale draft K/V, not lost blocks.

@@ -44,7 +44,7 @@ def test_report_page_draws_figures_and_widgets_offline(tmp_path, browser, screen
                 for c in CELLS]
     (tmp_path / "nbs").mkdir()
     nbformat.write(nb, tmp_path / "nbs" / "page_check.ipynb")
-    run = subprocess.run([sys.executable, "-m", "dflash_lab.report", "--out", "reports", "nbs"],
+    run = subprocess.run([sys.executable, "-m", "dflash_lab.tools.report", "--out", "reports", "nbs"],
                          cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr
 

@@ -1,11 +1,12 @@
 """Headless reports: run every notebook and write one self-contained HTML page each.
 
-    python -m dflash_lab.report --out reports notebooks      # what `make report` runs
+    python -m dflash_lab.tools.report --out reports notebooks      # what `make report` runs
 
 Each notebook runs top to bottom in a fresh kernel (nbclient, working directory
 = the notebook's folder, offline: HF_HUB_OFFLINE=1 and a loopback-only socket
 guard in the kernel), with a tqdm line per notebook that advances cell by cell.
-Then nbconvert's HTML exporter (JupyterLab's look) writes ``reports/NAME.html``:
+Then nbconvert's HTML exporter (JupyterLab's look, with ``tools.report_html``'s
+template and static renderings) writes ``reports/NAME.html``:
 
 - plotly.js is inlined once in the page head, so every figure draws offline;
   figures shown with ``fig.show()`` become plotly divs;
@@ -36,14 +37,17 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 
 import nbformat
+from nbclient import NotebookClient
+from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
+from tqdm.auto import tqdm
 
-PLOTLY_MIME = "application/vnd.plotly.v1+json"
-WIDGET_VIEW_MIME = "application/vnd.jupyter.widget-view+json"
-WIDGET_STATE_MIME = "application/vnd.jupyter.widget-state+json"
-ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+from ..repro import OFFLINE_ENV, write_ipython_startup
+from ..runtime import atomic_file
+from .report_html import ANSI, to_html
 
 # ---------------------------------------------------------------------------
 # Running a notebook
@@ -84,8 +88,6 @@ def kernel_environment():
     renders them itself), and an IPython profile whose startup file installs
     the loopback-only socket guard (as the nbval kernels have).
     """
-    from dflash_lab.repro import OFFLINE_ENV, write_ipython_startup
-
     with tempfile.TemporaryDirectory(prefix="dflash-lab-ipython-") as ipython_dir:
         write_ipython_startup(ipython_dir)
         update = {**OFFLINE_ENV, "PLOTLY_RENDERER": "plotly_mimetype", "IPYTHONDIR": ipython_dir,
@@ -118,10 +120,6 @@ def execute_notebook(
     id to its figure (only with ``dump_figures``). Raises NotebookFailed with
     the failing cell's traceback.
     """
-    from nbclient import NotebookClient
-    from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
-    from tqdm.auto import tqdm
-
     nb = nbformat.read(path, as_version=4) if nb is None else nb
     if dump_figures:
         nb.cells.append(nbformat.v4.new_code_cell(FIGURE_DUMP_CELL, id="dflash-lab-figure-dump"))
@@ -177,8 +175,6 @@ def cell_timings(nb) -> list[tuple[int, float, bool]]:
 
 
 def _iso_seconds(stamp: str) -> float:
-    from datetime import datetime
-
     return datetime.fromisoformat(stamp.replace("Z", "+00:00")).timestamp()
 
 
@@ -191,209 +187,20 @@ def _is_progress_bar(output) -> bool:
 
 
 # ---------------------------------------------------------------------------
-# Static HTML for figures and widget views
-# ---------------------------------------------------------------------------
-
-
-def figure_html(figure: dict) -> str:
-    """A plotly div that draws with the page's inlined plotly.js."""
-    import plotly.io as pio
-
-    return pio.to_html(figure, include_plotlyjs=False, full_html=False, validate=False)
-
-
-def _label(state: dict) -> str:
-    d = state.get("description") or ""
-    return f'<span class="dflash-w-label">{html.escape(d)}</span>' if d else ""
-
-
-def _options(state: dict) -> tuple[list[str], set[int]]:
-    labels = state.get("_options_labels") or []
-    index = state.get("index")
-    chosen = set(index) if isinstance(index, (list, tuple)) else ({index} if isinstance(index, int) else set())
-    return labels, chosen
-
-
-def widget_html(model_id: str, models: dict, figures: dict, _depth: int = 0) -> str:
-    """Static HTML for the widget `model_id`, from its saved state (children recursively)."""
-    model = models.get(model_id)
-    if model is None or _depth > 50:
-        return ""  # closed before the end (a tqdm bar with leave=False): JupyterLab shows nothing either
-    name = model.get("model_name", "")
-    state = model.get("state", {})
-    esc = html.escape
-
-    def child(ref):
-        return widget_html(str(ref).removeprefix("IPY_MODEL_"), models, figures, _depth + 1)
-
-    if model_id in figures:  # a plotly FigureWidget
-        return f'<div class="dflash-w-figure">{figure_html(figures[model_id])}</div>'
-    if name in ("HBoxModel", "VBoxModel", "BoxModel", "GridBoxModel"):
-        direction = "row" if name == "HBoxModel" else "column"
-        kids = "".join(child(c) for c in state.get("children", []))
-        return f'<div class="dflash-w-box" style="flex-direction:{direction}">{kids}</div>'
-    if name in ("TabModel", "AccordionModel", "StackModel"):
-        titles = state.get("titles") or []
-        parts = []
-        for i, c in enumerate(state.get("children", [])):
-            title = titles[i] if i < len(titles) and titles[i] else f"{i}"
-            parts.append(f'<div class="dflash-w-tab"><div class="dflash-w-tab-title">{esc(title)}</div>{child(c)}</div>')
-        return f'<div class="dflash-w-tabs">{"".join(parts)}</div>'
-    if name == "OutputModel":
-        return f'<div class="dflash-w-output">{"".join(output_html(o, figures) for o in state.get("outputs", []))}</div>'
-    if name in ("HTMLModel", "HTMLMathModel"):
-        return f'<div class="dflash-w-html">{_label(state)}{state.get("value", "")}</div>'
-    if name == "LabelModel":
-        return f'<div class="dflash-w-html">{esc(str(state.get("value", "")))}</div>'
-    if name in ("FloatProgressModel", "IntProgressModel"):
-        lo, hi, v = state.get("min", 0), state.get("max", 100), state.get("value", 0)
-        return (f'<div class="dflash-w-row">{_label(state)}<progress value="{v - lo}" max="{hi - lo}">'
-                f"</progress></div>")
-    if name.endswith("SliderModel") and "_options_labels" not in state:
-        v = state.get("value")
-        text = "–".join(map(str, v)) if isinstance(v, (list, tuple)) else str(v)
-        first = v[0] if isinstance(v, (list, tuple)) else v
-        return (f'<div class="dflash-w-row">{_label(state)}<input type="range" disabled min="{state.get("min")}" '
-                f'max="{state.get("max")}" step="{state.get("step") or "any"}" value="{first}">'
-                f'<span class="dflash-w-value">{esc(text)}</span></div>')
-    if "_options_labels" in state:  # dropdowns, selects, radio and toggle buttons, selection sliders
-        labels, chosen = _options(state)
-        if name in ("ToggleButtonsModel", "RadioButtonsModel"):
-            items = "".join(
-                f'<span class="dflash-w-option{" dflash-w-chosen" if i in chosen else ""}">{esc(l)}</span>'
-                for i, l in enumerate(labels)
-            )
-            return f'<div class="dflash-w-row">{_label(state)}{items}</div>'
-        opts = "".join(
-            f'<option{" selected" if i in chosen else ""}>{esc(l)}</option>' for i, l in enumerate(labels)
-        )
-        multiple = " multiple" if name in ("SelectMultipleModel",) else ""
-        return f'<div class="dflash-w-row">{_label(state)}<select disabled{multiple}>{opts}</select></div>'
-    if name in ("CheckboxModel", "ToggleButtonModel", "ValidModel"):
-        checked = " checked" if state.get("value") else ""
-        return (f'<div class="dflash-w-row"><label><input type="checkbox" disabled{checked}> '
-                f'{esc(state.get("description", ""))}</label></div>')
-    if name == "ButtonModel":
-        return f'<div class="dflash-w-row"><button disabled>{esc(state.get("description", ""))}</button></div>'
-    if "value" in state and isinstance(state["value"], (str, int, float)):  # text boxes, pickers
-        return (f'<div class="dflash-w-row">{_label(state)}<input disabled '
-                f'value="{esc(str(state["value"]))}"></div>')
-    return f'<span class="dflash-w-missing">({esc(name)})</span>'
-
-
-def output_html(output: dict, figures: dict) -> str:
-    """Static HTML for one nbformat output captured by an Output widget."""
-    kind = output.get("output_type")
-    if kind == "stream":
-        return f'<pre class="dflash-w-stream">{html.escape(output.get("text", ""))}</pre>'
-    if kind == "error":
-        return f'<pre class="dflash-w-stream">{html.escape(ANSI.sub("", chr(10).join(output.get("traceback", []))))}</pre>'
-    data = output.get("data", {})
-    if PLOTLY_MIME in data:
-        return figure_html(data[PLOTLY_MIME])
-    if WIDGET_VIEW_MIME in data:
-        return f"<!-- nested widget {data[WIDGET_VIEW_MIME].get('model_id')} -->"
-    if "text/html" in data:
-        return data["text/html"]
-    for mime in ("image/png", "image/jpeg"):
-        if mime in data:
-            return f'<img src="data:{mime};base64,{data[mime]}">'
-    return f'<pre class="dflash-w-stream">{html.escape(data.get("text/plain", ""))}</pre>'
-
-
-def prepare_for_html(nb, figures: dict) -> None:
-    """Give every figure and widget output a static rendering; slim the saved widget state."""
-    state = nb.metadata.get("widgets", {}).get(WIDGET_STATE_MIME, {})
-    models = state.get("state", {})
-    for cell in nb.cells:
-        for out in cell.get("outputs", []):
-            data = out.get("data", {})
-            if PLOTLY_MIME in data:
-                data["text/html"] = figure_html(data[PLOTLY_MIME])
-                del data[PLOTLY_MIME]  # drawn by the text/html above
-            if WIDGET_VIEW_MIME in data:
-                model_id = data[WIDGET_VIEW_MIME].get("model_id", "")
-                out.setdefault("metadata", {})["dflash_lab_static_html"] = widget_html(model_id, models, figures)
-    for model_id, model in models.items():
-        if model_id in figures or "_esm" in model.get("state", {}):
-            # the anywidget bundle (plotly.js again, ~5 MB per figure): the page draws from its own copy
-            model["state"]["_esm"] = "export default { render() {} };"
-
-
-# Extends JupyterLab's look: plotly.js inlined before anything else, no script
-# from a CDN (require.js, the widget manager), widget views drawn statically.
-REPORT_TEMPLATE = r"""
-{%- extends 'lab/index.html.j2' -%}
-{%- block html_head_js -%}
-<script type="text/javascript">window.PlotlyConfig = {MathJaxConfig: 'local'};</script>
-<script type="text/javascript">{{ resources.dflash_lab_plotly_js }}</script>
-{%- endblock html_head_js -%}
-{% block jupyter_widgets %}{% endblock jupyter_widgets %}
-{% block extra_css %}
-<style type="text/css">
-.dflash-widget-snapshot { font-family: var(--jp-ui-font-family); font-size: var(--jp-ui-font-size1); }
-.dflash-w-box { display: flex; gap: 6px; flex-wrap: wrap; }
-.dflash-w-row { display: flex; align-items: center; gap: 8px; margin: 2px 0; font-size: 13px; }
-.dflash-w-label { min-width: 90px; text-align: right; }
-.dflash-w-value { font-family: monospace; }
-.dflash-w-option { border: 1px solid #bbb; padding: 2px 8px; border-radius: 3px; }
-.dflash-w-chosen { background: #1976d2; color: white; border-color: #1976d2; }
-.dflash-w-figure, .dflash-w-output { width: 100%; }
-.dflash-w-tab-title { font-weight: bold; margin-top: 6px; }
-.dflash-w-stream { margin: 0; }
-.dflash-w-missing { color: #999; font-style: italic; }
-.dflash-w-html progress { width: 200px; }
-</style>
-{% endblock extra_css %}
-{%- block data_widget_view scoped %}
-<div class="jupyter-widgets jp-OutputArea-output dflash-widget-snapshot {{ extra_class }}">
-<script type="application/vnd.jupyter.widget-view+json">
-{{ output.data['application/vnd.jupyter.widget-view+json'] | json_dumps | escape_html_script }}
-</script>
-{{ output.metadata.get('dflash_lab_static_html', '') }}
-</div>
-{%- endblock data_widget_view -%}
-"""
-
-
-def to_html(nb, figures: dict, title: str) -> str:
-    import jinja2
-    import plotly.offline
-    from nbconvert import HTMLExporter
-
-    prepare_for_html(nb, figures)
-    exporter = HTMLExporter(
-        template_name="lab",
-        extra_loaders=[jinja2.DictLoader({"dflash_lab_report.html.j2": REPORT_TEMPLATE})],
-        template_file="dflash_lab_report.html.j2",
-    )
-    resources = {"metadata": {"name": title}, "dflash_lab_plotly_js": plotly.offline.get_plotlyjs()}
-    body, _ = exporter.from_notebook_node(nb, resources=resources)
-    return body
-
-
-# ---------------------------------------------------------------------------
 # Writing the report
 # ---------------------------------------------------------------------------
 
 
 def write_atomic(path: Path, text: str) -> None:
-    """Write to a temporary file next to `path`, then rename it over `path`."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    umask = os.umask(0)
-    os.umask(umask)
-    try:
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp's 0600 would make the page private
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
+    """``text`` at ``path`` (UTF-8), through runtime.atomic_file: flushed to disk, then renamed over ``path``."""
+
+    def write(tmp: Path) -> None:
+        with open(tmp, "w", encoding="utf-8") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+
+    atomic_file(path, write)
 
 
 @dataclass
@@ -492,7 +299,7 @@ def build_report(notebooks: list[Path], out: Path, *, timeout: float, slow_cell:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dflash_lab.report", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m dflash_lab.tools.report", description=__doc__.split("\n\n")[0])
     parser.add_argument("paths", nargs="+", type=Path, help="notebooks, or folders of notebooks")
     parser.add_argument("--out", type=Path, default=Path("reports"), help="output folder (default: reports)")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds a single cell may run")

@@ -1,0 +1,72 @@
+"""The KV-cache chapter's models, by name, and a reader for a user's config.json.
+
+Each preset is a spec dict (``kv_specs``) plus the drafter it is served with. Two are
+Poolside's real Laguna pairs at full shape (``dflash_lab.presets``): the XS.2 target
+(40 layers: 30 sliding, 10 full) with an XS-2.1-DFlash-shaped 5-layer drafter, and the
+S-2.1 target (48 layers: 36 sliding, 12 full) with the 6-layer S-2.1-DFlash drafter.
+The others are small shapes that show one mechanism each: a toy Laguna + DFlash, a
+Qwen3.5-shaped GDN hybrid + MTP and a DeepSeek-V4-shaped MLA model + MTP.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dflash_lab import kv_specs, presets
+from dflash_lab.config import read_json  # the lab's one config.json reader
+
+# ``pair`` names a real Poolside pair in ``presets.DRAFTER_PRESETS``; ``mtp`` says the
+# drafter is an MTP block (a copy of a target layer, whose marker the lab can switch).
+PRESETS = {
+    "laguna_xs2_dflash": dict(label="Laguna-XS.2 + XS-2.1-DFlash (shape)", method="dflash", model_type="laguna",
+                              pair="laguna-xs-2.1-dflash (shape)"),
+    "laguna_s21_dflash": dict(label="Laguna-S-2.1 + S-2.1-DFlash", method="dflash", model_type="laguna",
+                              pair="laguna-s-2.1-dflash"),
+    "laguna_dflash": dict(label="toy Laguna + DFlash (6 + 3 layers)", method="dflash", model_type="laguna"),
+    "qwen3_5_mtp": dict(label="Qwen3.5 hybrid + MTP", method="mtp", model_type="qwen3_5", mtp=True),
+    "deepseek_v4": dict(label="DeepSeek-V4-shaped + MTP", method="mtp", model_type="deepseek_v4", mtp=True),
+}
+
+
+def poolside_pair_specs(name: str, *, dtype: str | torch.dtype = "bfloat16", kv_block_size: int = 16) -> dict[str, Any]:
+    """A real Laguna target and its DFlash drafter (a ``presets.DRAFTER_PRESETS`` name), at full shape.
+
+    Only the attention geometry reaches the grouping (layer types, KV heads, head dim,
+    window), so the configs are used as published; nothing is shrunk.
+    """
+    drafter, target = presets.drafter_preset(name)
+    return kv_specs.laguna_dflash_specs(target, drafter, dtype=dtype, kv_block_size=kv_block_size)
+
+
+def preset_specs(name: str, *, drafter_sliding: bool = False, mark_draft: bool = False) -> dict[str, Any]:
+    """The spec dict of a preset (see ``PRESETS``).
+
+    ``drafter_sliding`` applies to the toy DFlash drafter (the real ones slide as their
+    config says); ``mark_draft`` marks the MTP presets' draft layers as vLLM 0.33's runner
+    does. DFlash drafter layers are always marked.
+    """
+    if name not in PRESETS:
+        raise ValueError(f"preset {name!r} is unknown; expected one of {list(PRESETS)}")
+    if "pair" in PRESETS[name]:
+        return poolside_pair_specs(PRESETS[name]["pair"])
+    if name == "laguna_dflash":
+        return kv_specs.laguna_dflash_specs(drafter_sliding=drafter_sliding)
+    if name == "qwen3_5_mtp":
+        return kv_specs.qwen3_5_hybrid_specs(mark_draft=mark_draft)
+    return kv_specs.deepseek_v4_specs(mark_draft=mark_draft)
+
+
+def load_config(path: str | Path) -> dict:
+    """A config.json (or a folder holding one) as a dict; errors name the file."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"config file {path} does not exist")
+    config = read_json(path)
+    if not isinstance(config, dict):
+        raise ValueError(f"config file {path} must hold a JSON object, got {type(config).__name__}")
+    return config

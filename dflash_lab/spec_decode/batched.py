@@ -1,0 +1,341 @@
+"""Fast greedy decoding: static buffers, one CUDA graph per step, several prompts per batch.
+
+    fast_generate(target, drafter, input_ids, max_new_tokens=...)        one prompt -> SpecDecodeResult
+    fast_generate_batch(target, drafter, prompts, max_new_tokens=...)    a batch -> list of SpecDecodeResult
+
+``drafter`` is a ``DFlashLagunaDrafter``, ``"ngram"`` (prompt lookup) or None
+(target only: plain greedy decoding through the same machinery, the fair
+baseline). Greedy only; the output is token for token what
+``speculative_generate`` and ``target.generate`` give (float32; in bf16 a
+different order of computation can flip an argmax near-tie, as in the eager loop).
+
+A DFlash step runs entirely on the device, for every sequence at once:
+
+    draft    ``StaticDrafter.draft``: B-1 drafts per sequence
+    verify   ``StaticTarget.forward`` over [x_t, d_1 .. d_{B-1}] at positions t .. t+B-1
+    append   the drafter's context K/V of the block positions (``StaticDrafter.append``)
+    accept   n = longest prefix with d_j == argmax, the next token = argmax at n; the
+             emitted tokens (argmax 0 .. n) are written to the output at t+1 .. t+n+1;
+             t += n + 1 (ragged: each sequence its own n); a sequence that reached
+             max_new_tokens or emitted a stop token is frozen (its later steps change
+             nothing that is read back)
+
+Nothing is read back inside the loop: the host replays ceil(remaining / B) steps
+(no sequence can finish sooner, as a step emits at most B tokens), then reads how
+many tokens remain, and repeats. Prompt lookup drafts on the host from the
+tokens so far, so its loop reads back every step (as vLLM's ngram proposer does).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..drafter import DFlashLagunaDrafter
+from ..runtime import synchronized_time
+from .cuda_graphs import GraphedStep, new_pool
+from .loop import SpecDecodeResult, _param
+from .proposers import PromptLookupDrafter
+from .static_drafter import StaticDrafter
+from .static_target import StaticTarget
+from .stats import SpecDecodeStats
+
+PHASES = ("draft", "verify", "append", "accept")  # the order of one step
+MAX_STOP_TOKENS = 8
+
+
+class FastDecoder:
+    """Static buffers and graphed steps for one (pair, batch size, block size, capacity).
+
+    method: "dflash", "ngram" (drafts supplied by the host) or "target" (block 1).
+    Build once, then ``generate`` any number of batches of up to ``batch`` prompts
+    whose prompt + max_new_tokens fit ``capacity``.
+    """
+
+    def __init__(self, target, drafter=None, *, batch: int, block_size: int, capacity: int, cuda_graphs: bool = True,
+                 moe: str = "auto", phase_graphs: bool = False, prompt_lookup: PromptLookupDrafter | None = None):
+        self.method = "dflash" if isinstance(drafter, DFlashLagunaDrafter) else ("ngram" if drafter is not None else "target")
+        if self.method == "target":
+            block_size = 1
+        elif block_size < 2:
+            raise ValueError(f"block_size must be >= 2 with a drafter, got {block_size}")
+        if self.method == "dflash":
+            drafter.config.validate_against_target(target.config)
+            if block_size > drafter.config.block_size:
+                raise ValueError(f"block_size {block_size} is larger than the drafter supports ({drafter.config.block_size})")
+        self.target, self.drafter, self.B, self.batch = target, drafter, block_size, batch
+        self.lookup = prompt_lookup or PromptLookupDrafter(block_size=max(block_size, 2))
+        p = _param(target)
+        self.device, self.dtype = p.device, p.dtype
+        slack = 2 * block_size + 1  # frozen and overrunning steps write past the last kept position
+        layer_ids = list(drafter.config.target_layer_ids) if self.method == "dflash" else []
+        self.tgt = StaticTarget(target, batch=batch, capacity=capacity + slack, layer_ids=layer_ids, moe=moe)
+        self.dft = StaticDrafter(drafter, target, batch=batch, capacity=capacity + slack) if self.method == "dflash" else None
+        self.capacity = capacity
+        z = lambda *s, dt=torch.long: torch.zeros(s, dtype=dt, device=self.device)  # noqa: E731
+        S, K = self.tgt.capacity, block_size - 1
+        # decode state (device)
+        self.tokens = z(batch, S + block_size)  # every sequence's ids at their positions
+        self.pos, self.last, self.limit = z(batch), z(batch), z(batch)  # t, x_t, position of the final token
+        self.active = z(batch, dt=torch.bool)
+        self.stop_ids = torch.full((MAX_STOP_TOKENS,), -1, dtype=torch.long, device=self.device)  # -1: unused
+        self.offsets = torch.arange(block_size, device=self.device)
+        # per-step values passed between the phases
+        self.block_pos, self.drafts, self.argmax = z(batch, block_size), z(batch, K), z(batch, block_size)
+        self.n_draft = torch.full((batch,), K, dtype=torch.long, device=self.device)  # drafts to verify (ngram: 0 .. K)
+        self.aux = None
+        # statistics (device)
+        self.n_steps, self.n_drafts, self.n_draft_tokens, self.n_accepted = z(batch), z(batch), z(batch), z(batch)
+        self.per_pos = z(batch, max(K, 1))
+        self.lengths_log = z(batch, capacity + 2)  # acceptance length of each draft (last column: a dump)
+
+        pool = new_pool(self.device)
+        graphed = lambda fn: GraphedStep(fn, enabled=cuda_graphs, device=self.device, reset=self._reset, pool=pool)  # noqa: E731
+        self.step = graphed(self._step)
+        self.step_plain = graphed(self._step_without_drafts) if self.method == "ngram" else None
+        self.phases = {name: graphed(getattr(self, f"_{name}")) for name in PHASES} if phase_graphs else None
+        self.cuda_graphs = self.step.captured
+
+    # --- state -----------------------------------------------------------------
+    def _reset(self) -> None:
+        """A valid state to warm up and capture from (positions 0, everything inactive)."""
+        for t in (self.pos, self.last, self.limit, self.tokens, self.n_steps, self.n_drafts, self.n_draft_tokens,
+                  self.n_accepted, self.per_pos, self.lengths_log, self.block_pos, self.drafts):
+            t.zero_()
+        self.active.zero_()
+
+    # --- the four phases of a step (device only) --------------------------------
+    def _draft(self) -> None:
+        self.block_pos.copy_(self.pos[:, None] + self.offsets)
+        if self.method == "dflash":
+            self.drafts.copy_(self.dft.draft(self.last, self.pos, self.B))
+
+    def _verify(self, width: int | None = None) -> None:
+        width = width or self.B
+        ids = torch.cat([self.last[:, None], self.drafts[:, :width - 1]], dim=1)  # (b, width)
+        logits, aux = self.tgt.forward(ids, self.block_pos[:, :width])
+        self.argmax[:, :width].copy_(logits.argmax(dim=-1))
+        if aux is not None:
+            if self.aux is None:
+                self.aux = torch.empty_like(aux)
+            self.aux.copy_(aux)
+
+    def _append(self) -> None:
+        if self.method == "dflash":
+            self.dft.append(self.aux, self.block_pos)
+
+    def _accept(self, width: int | None = None) -> None:
+        width = width or self.B
+        K = width - 1
+        argmax, active = self.argmax[:, :width], self.active
+        k_idx = self.offsets[:K]
+        ok = (self.drafts[:, :K] == argmax[:, :K]) & (k_idx < self.n_draft[:, None])  # (b, K)
+        n = ok.long().cumprod(dim=1).sum(dim=1) if K else torch.zeros_like(self.pos)  # accepted drafts
+        nxt = argmax.gather(1, n[:, None])[:, 0]
+        # emitted: argmax[:, 0 .. n] at positions t+1 .. t+n+1 (stale entries past n are overwritten later)
+        self.tokens.scatter_(1, self.pos[:, None] + 1 + self.offsets[:width], argmax)
+        emitted = self.offsets[:width] <= n[:, None]
+        stopped = ((argmax[..., None] == self.stop_ids).any(-1) & emitted).any(-1)
+        new_pos = self.pos + n + 1
+        drafted = active & (self.n_draft > 0) if K else torch.zeros_like(active)
+        # statistics, as SpecDecodeStats.observe_draft counts them (only steps that verified drafts)
+        col = torch.where(drafted, self.n_drafts, self.lengths_log.shape[1] - 1)
+        self.lengths_log.scatter_(1, col[:, None], (n + 1)[:, None])
+        self.n_steps += active
+        self.n_drafts += drafted
+        self.n_draft_tokens += torch.where(drafted, self.n_draft.clamp(max=K), 0)
+        self.n_accepted += torch.where(drafted, n, 0)
+        if K:
+            self.per_pos[:, :K] += (drafted[:, None] & (k_idx < n[:, None])).long()
+        self.pos.copy_(torch.where(active, new_pos, self.pos))
+        self.last.copy_(torch.where(active, nxt, self.last))
+        self.active &= ~(stopped | (new_pos >= self.limit))
+
+    def _step(self) -> None:
+        self._draft()
+        self._verify()
+        self._append()
+        self._accept()
+
+    def _step_without_drafts(self) -> None:
+        """A prompt-lookup step in which no sequence found a draft: verify x_t alone."""
+        self.block_pos.copy_(self.pos[:, None] + self.offsets)
+        self._verify(1)
+        self._accept(1)
+
+    # --- prefill (eager: one call per batch) --------------------------------------
+    def prefill(self, prompts: list[torch.Tensor], max_new_tokens: int, stop_token_ids=()) -> None:
+        n = len(prompts)
+        lengths = [int(p.shape[-1]) for p in prompts]
+        T = max(lengths)
+        if n > self.batch:
+            raise ValueError(f"{n} prompts, but this decoder was built for batch {self.batch}")
+        if T + max_new_tokens > self.capacity:
+            raise ValueError(f"prompt ({T}) + max_new_tokens ({max_new_tokens}) exceeds the decoder's capacity {self.capacity}")
+        self._reset()
+        ids = torch.zeros((self.batch, T), dtype=torch.long, device=self.device)  # right-padded; pads are never seen
+        for b, p in enumerate(prompts):
+            ids[b, :lengths[b]] = p.reshape(-1)
+        length = torch.tensor(lengths + [1] * (self.batch - n), device=self.device)
+        positions = torch.arange(T, device=self.device).expand(self.batch, T)
+        logits, aux = self.tgt.forward(ids, positions, last_index=length - 1)
+        if self.method == "dflash":
+            self.dft.append(aux, positions)
+        first = logits.argmax(dim=-1)
+        self.tokens[:, :T] = ids
+        self.tokens.scatter_(1, length[:, None], first[:, None])
+        self.pos.copy_(length)
+        self.last.copy_(first)
+        self.limit.copy_(length + max_new_tokens - 1)
+        stops = sorted(stop_token_ids)
+        if len(stops) > MAX_STOP_TOKENS:
+            raise ValueError(f"at most {MAX_STOP_TOKENS} stop_token_ids, got {len(stops)}")
+        self.stop_ids.fill_(-1)[:len(stops)] = torch.tensor(stops, dtype=torch.long)  # in place: graphs read this buffer
+        live = torch.arange(self.batch, device=self.device) < n
+        self.active.copy_(live & (self.pos < self.limit) & ~(first[:, None] == self.stop_ids).any(-1))
+        self._lengths = lengths
+
+    # --- decoding -----------------------------------------------------------------
+    def _run_on_device(self) -> None:
+        """Replay steps in bursts that cannot overshoot the last sequence's end, reading back once a burst."""
+        while True:
+            remaining = int(torch.where(self.active, self.limit - self.pos, 0).max())  # the one sync
+            if remaining <= 0:
+                return
+            for _ in range(max(1, math.ceil(remaining / self.B))):
+                self.step()
+
+    def _run_prompt_lookup(self, prompts, max_new_tokens: int, stop: set) -> None:
+        """Host-driven: draft from each sequence's tokens, verify on the device, read back, repeat."""
+        seqs = [p.reshape(-1).tolist() for p in prompts]
+        state = torch.stack([self.pos, self.last, self.active.long()], 1).tolist()
+        for b, s in enumerate(seqs):
+            s.append(state[b][1])
+        live = [bool(state[b][2]) for b in range(len(seqs))]
+        K = self.B - 1
+        host_drafts = torch.zeros((self.batch, K), dtype=torch.long, pin_memory=self.device.type == "cuda")
+        host_n = torch.zeros(self.batch, dtype=torch.long, pin_memory=self.device.type == "cuda")
+        while any(live):
+            host_n.zero_()
+            for b, s in enumerate(seqs):
+                d = self.lookup.propose(s, K) if live[b] else []
+                host_n[b] = len(d)
+                if d:
+                    host_drafts[b, :len(d)] = torch.tensor(d)
+            self.drafts.copy_(host_drafts, non_blocking=True)
+            self.n_draft.copy_(host_n, non_blocking=True)
+            (self.step if bool(host_n.any()) else self.step_plain)()
+            back = torch.cat([self.argmax, self.pos[:, None], self.active[:, None].long()], 1).tolist()
+            for b, s in enumerate(seqs):
+                if live[b]:
+                    new_pos, still = back[b][-2], back[b][-1]
+                    s.extend(back[b][:new_pos - (len(s) - 1)])  # argmax 0 .. n
+                    live[b] = bool(still)
+
+    @torch.no_grad()
+    def generate(self, prompts: list[torch.Tensor], *, max_new_tokens: int, stop_token_ids=()) -> list[SpecDecodeResult]:
+        """Greedy continuations of up to ``batch`` prompts (each (T,) or (1, T)), one result per prompt."""
+        stop = set(stop_token_ids or ())
+        prompts = [p.to(self.device) for p in prompts]
+        if max_new_tokens < 1:
+            return [SpecDecodeResult(p.reshape(1, -1).clone(), SpecDecodeStats(), [], int(p.shape[-1])) for p in prompts]
+        self.prefill(prompts, max_new_tokens, stop)
+        if self.method == "ngram":
+            self._run_prompt_lookup(prompts, max_new_tokens, stop)
+        else:
+            self._run_on_device()
+        return self._results(prompts, max_new_tokens, stop)
+
+    def _results(self, prompts, max_new_tokens: int, stop: set) -> list[SpecDecodeResult]:
+        tokens, pos = self.tokens.tolist(), self.pos.tolist()
+        counters = torch.stack([self.n_steps, self.n_drafts, self.n_draft_tokens, self.n_accepted], 1).tolist()
+        per_pos, log = self.per_pos.tolist(), self.lengths_log.tolist()
+        out = []
+        for b, T in enumerate(self._lengths):
+            new = tokens[b][T:min(pos[b] + 1, T + max_new_tokens)]
+            for i, tok in enumerate(new):
+                if tok in stop:
+                    new = new[:i + 1]
+                    break
+            steps, drafts, draft_tokens, accepted = counters[b]
+            stats = SpecDecodeStats(
+                num_drafts=drafts, num_draft_tokens=draft_tokens, num_accepted_tokens=accepted,
+                num_accepted_tokens_per_pos=per_pos[b][:self.B - 1], acceptance_lengths=log[b][:drafts],
+                num_generated_tokens=len(new), num_target_forwards=1 + steps)
+            ids = torch.tensor([tokens[b][:T] + new], dtype=torch.long, device=self.device)
+            out.append(SpecDecodeResult(ids, stats, [], T))
+        return out
+
+
+# ---------------------------------------------------------------------------
+# Entry points
+# ---------------------------------------------------------------------------
+
+
+def _capacity(prompts, max_new_tokens: int) -> int:
+    return max(int(p.shape[-1]) for p in prompts) + max_new_tokens
+
+
+def fast_generate_batch(target, drafter, prompts, *, max_new_tokens: int, block_size: int | None = None,
+                        cuda_graphs: bool = True, stop_token_ids=(), moe: str = "auto") -> list[SpecDecodeResult]:
+    """Greedy decoding of all ``prompts`` in one batch (see the module docstring); one result per prompt.
+
+    drafter: a DFlashLagunaDrafter, "ngram" or None (target only). block_size
+    defaults to the drafter's config.block_size (16 for "ngram").
+    """
+    prompts = [torch.as_tensor(p).reshape(-1) for p in prompts]
+    if not prompts:
+        return []
+    if block_size is None:
+        block_size = drafter.config.block_size if isinstance(drafter, DFlashLagunaDrafter) else 16
+    max_pos = target.config.max_position_embeddings
+    if _capacity(prompts, max_new_tokens) > max_pos:
+        raise ValueError(f"prompt + max_new_tokens ({_capacity(prompts, max_new_tokens)}) exceeds the target's "
+                         f"max_position_embeddings ({max_pos})")
+    dec = FastDecoder(target, drafter, batch=len(prompts), block_size=block_size,
+                      capacity=_capacity(prompts, max_new_tokens), cuda_graphs=cuda_graphs, moe=moe)
+    return dec.generate(prompts, max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids)
+
+
+def fast_generate(target, drafter, input_ids, *, max_new_tokens: int, block_size: int | None = None,
+                  cuda_graphs: bool = True, stop_token_ids=(), moe: str = "auto") -> SpecDecodeResult:
+    """``speculative_generate``'s greedy result for one prompt, from the static, graphed path."""
+    ids = torch.as_tensor(input_ids)
+    if ids.dim() == 2 and ids.shape[0] != 1:
+        raise ValueError(f"input_ids must hold one sequence, got shape {tuple(ids.shape)}")
+    return fast_generate_batch(target, drafter, [ids.reshape(-1)], max_new_tokens=max_new_tokens, block_size=block_size,
+                               cuda_graphs=cuda_graphs, stop_token_ids=stop_token_ids, moe=moe)[0]
+
+
+def phase_times(decoder: FastDecoder, prompts, *, max_new_tokens: int) -> dict:
+    """Seconds spent in each phase (draft, verify, append, accept) over one generation, each phase its own graph.
+
+    The decoder must be built with ``phase_graphs=True``. Phases run back to back
+    with device events between them; the sum is a little above a whole-step graph's time.
+    """
+    if decoder.phases is None:
+        raise ValueError("build the FastDecoder with phase_graphs=True to time its phases")
+    decoder.prefill([p.to(decoder.device) for p in prompts], max_new_tokens, ())
+    totals = dict.fromkeys(PHASES, 0.0)
+    steps = 0
+    timed = decoder.device.type == "cuda"
+    while bool(decoder.active.any()):
+        marks = []
+        for name in PHASES:
+            start = torch.cuda.Event(enable_timing=True) if timed else synchronized_time(decoder.device)
+            if timed:
+                start.record()
+            decoder.phases[name]()
+            if timed:
+                end = torch.cuda.Event(enable_timing=True)
+                end.record()
+                marks.append((name, start, end))
+            else:
+                totals[name] += synchronized_time(decoder.device) - start
+        if timed:
+            torch.cuda.synchronize(decoder.device)
+            for name, start, end in marks:
+                totals[name] += start.elapsed_time(end) / 1e3
+        steps += 1
+    return {"steps": steps, **{f"{k}_s": v for k, v in totals.items()}}

@@ -1,0 +1,378 @@
+"""The decode loop: draft a block, verify it, keep the agreed prefix.
+
+One step, once the target has processed positions 0 .. t-1 and x_t is the last
+token it produced:
+
+    draft   block [x_t, MASK x (B-1)] at positions t .. t+B-1, ONE drafter forward
+            conditioned on the context K/V of positions < t; position j >= 1
+            predicts the token AT t+j through the target's lm_head: d_1 .. d_{B-1}
+    verify  ONE target forward over [x_t, d_1 .. d_{B-1}] with its KV cache:
+            the target's distribution for positions t+1 .. t+B
+    accept  greedy: the longest prefix with d_j == argmax; sampling: rejection
+            sampling (keep d_j with probability min(1, p/q), else resample from
+            the residual (p - q)+); then one token from the target (the bonus
+            when every draft was kept, the correction otherwise)
+    keep    crop the target's KV cache to the accepted length; append only the
+            accepted positions' target features to the drafter's context K/V
+
+Prompt-lookup drafting (vLLM's ``ngram`` method) replaces the drafter forward
+with a search of the sequence itself; verify, accept and the statistics are the
+same code. Argument checks run before the loop and timing wraps its calls, so
+``speculative_generate`` reads as the four steps above.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+from tqdm.auto import tqdm
+from transformers import DynamicCache
+
+from ..drafter import DFlashLagunaDrafter
+from ..runtime import synchronized_time
+from ..target import target_forward
+from .proposers import DFlashContext, PromptLookupDrafter, dflash_draft_logits
+from .sampling import DRAFT_SAMPLE_METHODS, greedy_accept, logits_to_probs, rejection_sample, sample
+from .stats import SpecDecodeStats
+
+# ---------------------------------------------------------------------------
+# What a run returns
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class SpecDecodeStep:
+    """What one step proposed and what it kept (for colouring tokens by their origin)."""
+
+    position: int  # position of the first token this step emitted
+    draft_ids: list[int]  # d_1 .. d_K (empty for the prefill, or when prompt lookup found nothing)
+    num_accepted: int  # drafts kept
+    token_ids: list[int]  # emitted: draft_ids[:num_accepted] + [target token], cut at a stop
+
+
+@dataclass
+class SpecDecodeResult:
+    output_ids: torch.Tensor  # (1, prompt + generated)
+    stats: SpecDecodeStats
+    steps: list[SpecDecodeStep] = field(default_factory=list)
+    prompt_length: int = 0
+    context: DFlashContext | None = field(default=None, repr=False)  # the drafter's final context K/V
+
+    @property
+    def new_token_ids(self) -> list[int]:
+        return self.output_ids[0, self.prompt_length:].tolist()
+
+
+# ---------------------------------------------------------------------------
+# The target's KV cache and its verification forward
+# ---------------------------------------------------------------------------
+
+
+def new_target_cache() -> DynamicCache:
+    """A cache that can be cropped back after a rejected block.
+
+    Built WITHOUT the model config: every layer is a full ``DynamicLayer``. A
+    config-built cache gives sliding layers a ring of the last ``window`` tokens,
+    which cannot be rolled back; here the sliding window stays what it is in the
+    target's attention, a mask.
+    """
+    return DynamicCache()
+
+
+def crop_cache(cache: DynamicCache, length: int) -> None:
+    """Keep the first ``length`` positions of every layer.
+
+    ``crop(-n)`` removes n tokens in every transformers version we support
+    (5.20 rejects a positive argument; older ones read it as the new length).
+    ``crop(0)`` is avoided: older versions read it as "keep nothing".
+    """
+    surplus = cache.get_seq_length() - length
+    if surplus < 0:
+        raise ValueError(f"cannot crop a cache of {cache.get_seq_length()} positions to {length}")
+    if surplus:
+        cache.crop(-surplus)
+
+
+def verify_forward(target, input_ids: torch.Tensor, cache: DynamicCache, start: int, layer_ids: list[int]):
+    """The target over input_ids (1, n) at positions start .. start+n-1 -> (logits (n, V), aux (n, .) or None)."""
+    positions = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)[None]
+    if layer_ids:
+        out = target_forward(target, input_ids, layer_ids, past_key_values=cache, position_ids=positions)
+        return out.logits[0], out.aux_hidden[0]
+    out = target(input_ids=input_ids, past_key_values=cache, use_cache=True, position_ids=positions)
+    return out.logits[0], None
+
+
+# ---------------------------------------------------------------------------
+# Argument checks: every error names the argument
+# ---------------------------------------------------------------------------
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _param(module):
+    try:
+        return next(module.parameters())
+    except (StopIteration, AttributeError):
+        return None
+
+
+def check_generation_args(target, drafter, input_ids, *, max_new_tokens, block_size, temperature, top_p, top_k,
+                          seed, stop_token_ids, draft_sample_method="greedy"):
+    """Validate everything ``speculative_generate`` is given; return (prompt (1, T), block_size, stop set)."""
+    config = getattr(target, "config", None)
+    vocab, max_pos = getattr(config, "vocab_size", None), getattr(config, "max_position_embeddings", None)
+    if vocab is None or max_pos is None or _param(target) is None:
+        raise TypeError(f"target must be a LagunaForCausalLM (a model with a config), got {type(target).__name__}")
+    t_param = _param(target)
+
+    # drafter
+    if isinstance(drafter, DFlashLagunaDrafter):
+        drafter.config.validate_against_target(config)
+        d_param = _param(drafter)
+        if d_param.device != t_param.device:
+            raise ValueError(f"target and drafter must be on the same device: target on {t_param.device}, "
+                             f"drafter on {d_param.device} (move one with .to(device))")
+        if d_param.dtype != t_param.dtype:
+            raise ValueError(f"target and drafter must have the same dtype: target {t_param.dtype}, "
+                             f"drafter {d_param.dtype} (convert one with .to(dtype))")
+        max_block = drafter.config.block_size
+    elif callable(getattr(drafter, "propose", None)):
+        max_block = getattr(drafter, "max_block_size", None)
+    else:
+        raise TypeError(f"drafter must be a DFlashLagunaDrafter, 'ngram' or a proposer with "
+                        f"propose(tokens, num_draft), got {type(drafter).__name__}")
+
+    # block_size
+    if block_size is None:
+        block_size = drafter.config.block_size if isinstance(drafter, DFlashLagunaDrafter) else getattr(drafter, "block_size", None)
+        if block_size is None:
+            raise ValueError(f"block_size must be given: {type(drafter).__name__} has no default block_size")
+    if not _is_int(block_size):
+        raise TypeError(f"block_size must be an integer, got {block_size!r}")
+    if block_size < 2:
+        raise ValueError(f"block_size must be >= 2 (1 real token + at least 1 draft), got {block_size}")
+    if max_block is not None and block_size > max_block:
+        raise ValueError(f"block_size {block_size} is larger than the drafter supports "
+                         f"(its config.block_size is {max_block})")
+
+    # prompt
+    if isinstance(input_ids, (list, tuple)):
+        input_ids = torch.tensor(input_ids, dtype=torch.long)
+    if not isinstance(input_ids, torch.Tensor):
+        raise TypeError(f"input_ids must be a LongTensor of token ids or a list of ints, got {type(input_ids).__name__}")
+    if input_ids.dim() == 1:
+        input_ids = input_ids[None]
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+        raise ValueError(f"input_ids must hold one sequence, shape (1, T) or (T,), got {tuple(input_ids.shape)}")
+    if input_ids.dtype not in (torch.long, torch.int, torch.int16, torch.int8, torch.uint8):
+        raise TypeError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
+    if input_ids.shape[1] == 0:
+        raise ValueError("input_ids is empty: the prompt needs at least one token")
+    if input_ids.shape[1] > max_pos:
+        raise ValueError(f"input_ids has {input_ids.shape[1]} tokens, longer than the target's "
+                         f"max_position_embeddings ({max_pos})")
+    lo, hi = int(input_ids.min()), int(input_ids.max())
+    if lo < 0 or hi >= vocab:
+        raise ValueError(f"input_ids holds token id {lo if lo < 0 else hi}, outside the vocabulary [0, {vocab})")
+
+    # lengths and sampling
+    if not _is_int(max_new_tokens) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be a non-negative integer, got {max_new_tokens!r}")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(temperature) \
+            or temperature < 0:
+        raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
+    if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+    if not _is_int(top_k) or top_k < 0:
+        raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {top_k!r}")
+    if draft_sample_method not in DRAFT_SAMPLE_METHODS:
+        raise ValueError(f"draft_sample_method must be one of {list(DRAFT_SAMPLE_METHODS)} (vLLM's "
+                         f"SpeculativeConfig.draft_sample_method), got {draft_sample_method!r}")
+    if seed is not None and (not _is_int(seed) or seed < 0):
+        raise ValueError(f"seed must be None or a non-negative integer, got {seed!r}")
+    if stop_token_ids is None:
+        stop = set()
+    else:
+        if isinstance(stop_token_ids, torch.Tensor):
+            stop_token_ids = stop_token_ids.tolist()
+        stop_list = [stop_token_ids] if _is_int(stop_token_ids) else list(stop_token_ids)
+        bad = [s for s in stop_list if not _is_int(s) or not 0 <= s < vocab]
+        if bad:
+            raise ValueError(f"stop_token_ids must be token ids in [0, {vocab}), got {bad}")
+        stop = set(stop_list)
+    return input_ids.to(t_param.device, torch.long), block_size, stop
+
+
+# ---------------------------------------------------------------------------
+# Around the loop: timing, and drafting from either kind of proposer
+# ---------------------------------------------------------------------------
+
+
+def _timed(stats: SpecDecodeStats, attr: str, device: torch.device, fn):
+    """``fn``, also adding each call's wall time to stats.<attr> (the device synchronised on both ends)."""
+
+    def timed_fn(*args, **kwargs):
+        start = synchronized_time(device)
+        out = fn(*args, **kwargs)
+        setattr(stats, attr, getattr(stats, attr) + synchronized_time(device) - start)
+        return out
+
+    return timed_fn
+
+
+def _propose(drafter, target, context: DFlashContext | None, tokens: list[int], num_draft: int, *, greedy: bool,
+             to_probs, generator, device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Drafts d_1 .. d_K (K,) and, when they were sampled from the drafter, their probabilities q (K, V).
+
+    ``greedy``: the drafter's argmax, q one-hot (None) — greedy decoding, or vLLM's default
+    draft_sample_method="greedy" when sampling.
+    """
+    if context is None:  # a proposer without a model (prompt lookup): K <= num_draft, q is one-hot
+        return torch.tensor(drafter.propose(tokens, num_draft)[:num_draft], dtype=torch.long, device=device), None
+    draft_logits = dflash_draft_logits(drafter, target, context, tokens[-1], num_draft + 1)  # (K, V)
+    if greedy:
+        return draft_logits.argmax(-1), None
+    draft_probs = to_probs(draft_logits)  # (K, V) q
+    return sample(draft_probs, generator), draft_probs
+
+
+# ---------------------------------------------------------------------------
+# The loop
+# ---------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def speculative_generate(target, drafter, input_ids, *, max_new_tokens: int, block_size: int | None = None,
+                         temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
+                         stop_token_ids=None, draft_sample_method: str = "greedy") -> SpecDecodeResult:
+    """Generate with speculative decoding; the output is distributed exactly as the target's own.
+
+    target: a ``LagunaForCausalLM``; its KV cache, embedding table and lm_head are used.
+    drafter: a ``DFlashLagunaDrafter``, ``"ngram"`` (prompt lookup, see
+        ``PromptLookupDrafter``) or any object with ``propose(tokens, num_draft)``.
+    input_ids: one prompt, (1, T) or (T,).
+    block_size: tokens per block, 1 real + (block_size - 1) drafts; default the
+        drafter's config.block_size.
+    temperature / top_p / top_k: 0 is greedy; otherwise rejection sampling with
+        the same processing applied to drafter and target distributions.
+    seed: seeds the sampling generator (None: torch's global RNG).
+    stop_token_ids: generation ends right after emitting one of them (it is
+        kept in the output). None: only max_new_tokens ends it.
+    draft_sample_method: when sampling (temperature > 0), how DFlash drafts are chosen, as
+        vLLM's option of that name: "greedy" (vLLM's default: the drafter's argmax, q
+        one-hot in the accept test) or "probabilistic" (drafts sampled from q). Both are
+        lossless; they accept differently. Greedy decoding ignores it.
+    Generation also ends when the sequence reaches the target's
+    max_position_embeddings.
+    """
+    if isinstance(drafter, str):
+        if drafter != "ngram":
+            raise ValueError(f"drafter must be a DFlashLagunaDrafter, 'ngram' or a proposer, got {drafter!r}")
+        drafter = PromptLookupDrafter()
+    prompt, block_size, stop = check_generation_args(
+        target, drafter, input_ids, max_new_tokens=max_new_tokens, block_size=block_size, temperature=temperature,
+        top_p=top_p, top_k=top_k, seed=seed, stop_token_ids=stop_token_ids, draft_sample_method=draft_sample_method)
+    device, dtype = prompt.device, _param(target).dtype
+    is_dflash = isinstance(drafter, DFlashLagunaDrafter)
+    layer_ids = list(drafter.config.target_layer_ids) if is_dflash else []
+    greedy = temperature == 0
+    to_probs = partial(logits_to_probs, temperature=temperature, top_k=top_k, top_p=top_p)
+    generator = torch.Generator(device).manual_seed(seed) if seed is not None else None
+    max_pos = target.config.max_position_embeddings
+    T = prompt.shape[1]
+    max_len = min(T + max_new_tokens, max_pos)  # the output never grows past this
+
+    tokens = prompt[0].tolist()
+    stats = SpecDecodeStats(num_accepted_tokens_per_pos=[0] * (block_size - 1),
+                            draft_sample_method=None if greedy or not is_dflash else draft_sample_method)
+    steps: list[SpecDecodeStep] = []
+    context = DFlashContext(drafter, max_len, device, dtype) if is_dflash else None  # accepted positions < max_len
+    if max_len <= T:
+        return SpecDecodeResult(prompt.clone(), stats, steps, T, context)
+
+    # The three calls that do the work, each timed into stats.
+    greedy_drafts = greedy or draft_sample_method == "greedy"
+    propose = _timed(stats, "drafter_time_s", device, partial(
+        _propose, drafter, target, context, greedy=greedy_drafts, to_probs=to_probs, generator=generator, device=device))
+    verify = _timed(stats, "target_time_s", device, partial(verify_forward, target, layer_ids=layer_ids))
+    extend_context = _timed(stats, "drafter_time_s", device, partial(context.append, drafter)) if is_dflash else None
+
+    def emit(new: list[int]) -> tuple[list[int], bool]:
+        """Append tokens until a stop token or the length limit; say whether generation is done."""
+        kept = []
+        for tok in new:
+            tokens.append(tok)
+            kept.append(tok)
+            if tok in stop or len(tokens) >= max_len:
+                return kept, True
+        return kept, False
+
+    # Prefill: the target reads the prompt; its last prediction is the first new token.
+    cache = new_target_cache()
+    logits, aux = verify(prompt, cache, 0)
+    stats.num_target_forwards += 1
+    if is_dflash:
+        extend_context(aux)  # positions 0 .. T-1
+    first = int(logits[-1].argmax()) if greedy else int(sample(to_probs(logits[-1]), generator))
+    kept, done = emit([first])
+    steps.append(SpecDecodeStep(position=T, draft_ids=[], num_accepted=0, token_ids=kept))
+
+    while not done:
+        t = len(tokens) - 1  # position of x_t, the newest token; the target's cache holds 0 .. t-1
+        num_draft = min(block_size - 1, max_pos - 1 - t)  # block positions stay below max_position_embeddings
+
+        # 1. Draft d_1 .. d_K.
+        draft, draft_probs = propose(tokens, num_draft)  # (K,), (K, V) q or None
+        num_draft = draft.shape[0]  # prompt lookup may find fewer, or none
+
+        # 2. Verify [x_t, d_1 .. d_K] in ONE target forward.
+        block = torch.cat([torch.tensor([tokens[-1]], device=device), draft])[None]  # (1, K+1)
+        logits, aux = verify(block, cache, t)  # (K+1, V): positions t+1 .. t+K+1
+        stats.num_target_forwards += 1
+
+        # 3. Accept a prefix of the draft, then one token from the target.
+        if greedy:
+            n, next_token = greedy_accept(draft, logits.argmax(-1))
+        else:
+            n, next_token = rejection_sample(draft, draft_probs, to_probs(logits), generator)
+        if num_draft:
+            stats.observe_draft(num_draft, n)
+        draft_ids = draft.tolist()
+        kept, done = emit(draft_ids[:n] + [next_token])
+        steps.append(SpecDecodeStep(position=t + 1, draft_ids=draft_ids, num_accepted=n, token_ids=kept))
+
+        # 4. Keep what was accepted: x_t and d_1 .. d_n are now part of the sequence.
+        crop_cache(cache, t + n + 1)
+        if is_dflash and not done:
+            extend_context(aux[: n + 1])  # positions t .. t+n, nothing recomputed
+
+    stats.num_generated_tokens = len(tokens) - T
+    output = torch.tensor([tokens], dtype=torch.long, device=device)
+    return SpecDecodeResult(output, stats, steps, T, context)
+
+
+def prompt_lookup_generate(target, input_ids, *, max_new_tokens: int, block_size: int = 16, prompt_lookup_min: int = 2,
+                           prompt_lookup_max: int = 5, **kwargs) -> SpecDecodeResult:
+    """``speculative_generate`` with prompt-lookup drafts (vLLM's ``ngram`` method)."""
+    drafter = PromptLookupDrafter(prompt_lookup_min, prompt_lookup_max, block_size)
+    return speculative_generate(target, drafter, input_ids, max_new_tokens=max_new_tokens, block_size=block_size, **kwargs)
+
+
+def generate_on_prompts(target, drafter, prompts, *, max_new_tokens: int, seed: int | None = None,
+                        progress: bool = True, desc: str | None = None, **kwargs):
+    """Run ``speculative_generate`` on every prompt; return (merged stats, results).
+
+    Prompt i is sampled with seed + i (when a seed is given), so runs are
+    reproducible and prompts are independent.
+    """
+    results = []
+    for i, prompt in enumerate(tqdm(prompts, desc=desc or "speculative decoding", disable=not progress, leave=False)):
+        results.append(speculative_generate(target, drafter, prompt, max_new_tokens=max_new_tokens,
+                                            seed=None if seed is None else seed + i, **kwargs))
+    return sum((r.stats for r in results), SpecDecodeStats()), results

@@ -1,0 +1,119 @@
+"""Proposers: where the drafts come from.
+
+    DFlash         ONE drafter forward over [x_t, MASK x (B-1)], conditioned on
+                   the context K/V of every accepted position (``DFlashContext``);
+                   the target's lm_head turns its hidden states into B-1 drafts
+    prompt lookup  no model: copy what followed an earlier occurrence of the
+                   sequence's last n-gram (vLLM's ``ngram`` method)
+
+The loop (``loop.py``) verifies and accepts both the same way. (vLLM:
+``v1/spec_decode/dflash.py`` and ``v1/spec_decode/ngram_proposer.py``.)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..drafter import DFlashLagunaDrafter
+
+# ---------------------------------------------------------------------------
+# DFlash: the drafter's context K/V, then one forward per block
+# ---------------------------------------------------------------------------
+
+
+class DFlashContext:
+    """The drafter's context K/V: every position the target has accepted so far.
+
+    Like vLLM, K/V are written at absolute slots of a buffer sized for the whole
+    generation; each step appends only the newly accepted positions, so the
+    context is never recomputed.
+    """
+
+    def __init__(self, drafter: DFlashLagunaDrafter, capacity: int, device, dtype):
+        cfg = drafter.config
+        shape = (cfg.num_hidden_layers, capacity, cfg.num_key_value_heads, cfg.head_dim)  # (L, capacity, nkv, hd)
+        self.k = torch.empty(shape, device=device, dtype=dtype)
+        self.v = torch.empty(shape, device=device, dtype=dtype)
+        self.length = 0
+
+    def append(self, drafter: DFlashLagunaDrafter, aux_hidden: torch.Tensor) -> None:
+        """Add the next positions from their target aux hidden states (n, n_aux * H_t)."""
+        n = aux_hidden.shape[0]
+        positions = torch.arange(self.length, self.length + n, device=aux_hidden.device)
+        context = drafter.combine_hidden_states(aux_hidden)  # (n, H)
+        k, v = drafter.precompute_context_kv(context, positions)  # (L, n, nkv, hd) each
+        self.k[:, self.length:self.length + n] = k
+        self.v[:, self.length:self.length + n] = v
+        self.length += n
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return torch.arange(self.length, device=self.k.device)
+
+    def kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k[:, :self.length], self.v[:, :self.length]  # (L, N, nkv, hd) each
+
+
+def dflash_draft_logits(drafter: DFlashLagunaDrafter, target, context: DFlashContext, last_token: int,
+                        block_size: int) -> torch.Tensor:
+    """ONE drafter forward over [x_t, MASK x (B-1)] at positions t .. t+B-1 (t = context.length).
+
+    Returns (B-1, V) logits for positions t+1 .. t+B-1, from the target's lm_head.
+    """
+    device = context.k.device
+    block_ids = torch.full((1, block_size), drafter.config.mask_token_id, dtype=torch.long, device=device)
+    block_ids[0, 0] = last_token
+    noise_embeds = target.get_input_embeddings()(block_ids)  # (1, B, H): the target's embedding table
+    positions = torch.arange(context.length, context.length + block_size, device=device)[None]  # (1, B)
+    ctx_k, ctx_v = context.kv()
+    hidden = drafter(noise_embeds, positions, ctx_k, ctx_v, context.positions)  # (1, B, H)
+    return target.lm_head(hidden[0, 1:])  # (B-1, V): position j predicts the token AT t+j
+
+
+# ---------------------------------------------------------------------------
+# Prompt lookup: drafts copied from the sequence itself
+# ---------------------------------------------------------------------------
+
+
+def prompt_lookup(tokens: list[int], num_draft: int, prompt_lookup_min: int = 2, prompt_lookup_max: int = 5) -> list[int]:
+    """vLLM's ``ngram`` proposer, in plain Python.
+
+    Find the longest n-gram (prompt_lookup_min <= n <= prompt_lookup_max) that
+    ends the sequence and also occurs earlier in it; propose up to ``num_draft``
+    tokens that followed its earliest earlier occurrence. No match, no draft.
+    """
+    T = len(tokens)
+    for n in range(min(prompt_lookup_max, T - 1), prompt_lookup_min - 1, -1):
+        suffix = tokens[T - n:]
+        for start in range(T - n):  # earlier occurrences (they may overlap the suffix)
+            if tokens[start:start + n] == suffix:
+                return tokens[start + n:start + n + num_draft]
+    return []
+
+
+@dataclass
+class PromptLookupDrafter:
+    """Prompt-lookup drafting (vLLM ``method="ngram"``): drafts copied from the sequence itself.
+
+    Any object with ``block_size`` and ``propose(tokens, num_draft)`` can stand
+    in the loop the same way. vLLM's own defaults are prompt_lookup_min =
+    prompt_lookup_max = 5; a shorter minimum finds more matches in short prompts.
+    """
+
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 5
+    block_size: int = 16  # default block: 1 real token + up to 15 drafts, like the DFlash drafter
+    max_block_size: int | None = None  # no model, no limit
+
+    def __post_init__(self):
+        for name in ("prompt_lookup_min", "prompt_lookup_max"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"prompt_lookup_min={self.prompt_lookup_min} must be <= prompt_lookup_max={self.prompt_lookup_max}")
+
+    def propose(self, tokens: list[int], num_draft: int) -> list[int]:
+        return prompt_lookup(tokens, num_draft, self.prompt_lookup_min, self.prompt_lookup_max)

@@ -1,0 +1,291 @@
+"""The target's forward over a preallocated KV cache, with no host copies or syncs.
+
+``speculative_generate`` runs transformers' ``LagunaForCausalLM`` with a growing
+``DynamicCache``: every call builds masks and cache bookkeeping on the host, so a
+CUDA graph cannot capture it (capture fails on a host-to-device copy). This is
+the same computation, written so that it can be captured and replayed:
+
+    KV cache     one (batch, nkv, S, hd) tensor per layer, allocated once; a forward
+                 writes its tokens' K/V at slot == position (``scatter_``), so a
+                 rejected draft needs no crop: its slots are overwritten by the
+                 next block before any query can see them (queries see slots <= own
+                 position, and every such slot was written by an accepted token or
+                 by this block)
+    masks        from the positions tensor on the device: causal, plus the sliding
+                 window on sliding layers
+    MoE          grouped GEMMs (``torch.nn.functional.grouped_mm``) over tokens
+                 sorted by expert, bf16 on CUDA; elsewhere (float32, CPU) every
+                 expert over every token as one batched GEMM, then a gather of the
+                 top-k (cheap at the shipped pair's 8 experts)
+    projections  q/k/v/gate in one GEMM and the MLP's gate/up in one GEMM (the
+                 weights concatenated once); the router is the model's own math
+    kernels      on CUDA each RMSNorm is one kernel and each q/k head norm + RoPE
+                 one more (``triton_ops``); elsewhere the model's own modules
+
+Weights are the model's own parameters (read, never copied, except the
+concatenations). Shapes are static for a given (batch, tokens), so one CUDA graph
+per shape replays it (``cuda_graphs.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ..layers import apply_rope
+from . import triton_ops
+
+MOE_IMPLEMENTATIONS = ("auto", "grouped", "dense")
+
+
+def _grouped_mm():
+    """torch's grouped GEMM (2-D input, 3-D weight, int32 group offsets), or None."""
+    return getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+def resolve_moe(moe: str, device: torch.device, dtype: torch.dtype) -> str:
+    """"auto": grouped GEMMs where torch has a CUDA bf16 kernel for them, else dense."""
+    if moe not in MOE_IMPLEMENTATIONS:
+        raise ValueError(f"moe must be one of {MOE_IMPLEMENTATIONS}, got {moe!r}")
+    if moe == "grouped" and _grouped_mm() is None:
+        raise RuntimeError("moe='grouped' needs torch.nn.functional.grouped_mm (torch >= 2.10)")
+    if moe == "auto":
+        return "grouped" if device.type == "cuda" and dtype == torch.bfloat16 and _grouped_mm() is not None else "dense"
+    return moe
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+# ---------------------------------------------------------------------------
+# Attention over a static cache (shared with the drafter)
+# ---------------------------------------------------------------------------
+
+
+def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(B, Q, S) bool -> (B, Q, S) 0 / -inf in ``dtype`` (every row has a visible key)."""
+    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))
+
+
+def gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention of q (B, Q, H, hd) over k/v (B, nkv, S, hd) with an additive bias (B, Q, S) -> (B, Q, H*hd).
+
+    The g = H / nkv query heads that share a KV head are folded into the query
+    axis, (B, nkv, g*Q, hd), so SDPA's fused kernels run on the KV heads as they
+    are (no repeat of K/V, no enable_gqa fallback to the math kernel).
+    """
+    B, Q, H, hd = q.shape
+    nkv = k.shape[1]
+    g = H // nkv
+    qg = q.view(B, Q, nkv, g, hd).permute(0, 2, 3, 1, 4).reshape(B, nkv, g * Q, hd)  # head h = kv h//g, member h%g
+    mask = bias[:, None, None].expand(B, 1, g, Q, bias.shape[-1]).reshape(B, 1, g * Q, bias.shape[-1])
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)  # (B, nkv, g*Q, hd)
+    return out.view(B, nkv, g, Q, hd).permute(0, 3, 1, 2, 4).reshape(B, Q, H * hd)
+
+
+def write_slots(cache: torch.Tensor, new: torch.Tensor, positions: torch.Tensor) -> None:
+    """cache (B, nkv, S, hd)[b, :, positions[b, j]] = new (B, Q, nkv, hd)[b, j], on the device."""
+    B, Q, nkv, hd = new.shape
+    cache.scatter_(2, positions[:, None, :, None].expand(B, nkv, Q, hd), new.transpose(1, 2))
+
+
+# ---------------------------------------------------------------------------
+# Per-layer weights, gathered once
+# ---------------------------------------------------------------------------
+
+
+@dataclass
+class _Layer:
+    attn: object  # the LagunaAttention module (norms, o_proj, sizes)
+    w_in: torch.Tensor  # (q + 2 kv + gate, H): q/k/v/g projections in one GEMM
+    b_in: torch.Tensor | None
+    split: tuple[int, int, int, int]
+    window: int | None  # sliding window, None on full-attention layers
+    layer_type: str
+    input_norm: object
+    post_norm: object
+    mlp: object
+    sparse: bool
+    w_gu: torch.Tensor  # dense: (2I, H) gate|up; sparse: (E + 2I_shared, H) router|shared gate|shared up
+    w_down: torch.Tensor  # dense MLP or shared expert down projection
+    act: object  # the dense MLP's or shared expert's activation
+
+
+def _prepare_layer(layer, layer_type: str, window: int | None) -> _Layer:
+    a = layer.self_attn
+    ws = [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight, a.g_proj.weight]
+    b_in = None
+    if a.q_proj.bias is not None:
+        b_in = torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias, a.g_proj.weight.new_zeros(ws[3].shape[0])])
+    mlp = layer.mlp
+    sparse = hasattr(mlp, "experts")
+    if sparse:
+        shared = getattr(mlp, "shared_experts", None) or getattr(mlp, "shared_expert")
+        w_gu = torch.cat([mlp.gate.weight, shared.gate_proj.weight, shared.up_proj.weight])
+        w_down, act = shared.down_proj.weight, shared.act_fn
+    else:
+        w_gu, w_down, act = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), mlp.down_proj.weight, mlp.act_fn
+    return _Layer(attn=a, w_in=torch.cat(ws), b_in=b_in, split=tuple(w.shape[0] for w in ws),
+                  window=window if layer_type == "sliding_attention" else None, layer_type=layer_type,
+                  input_norm=layer.input_layernorm, post_norm=layer.post_attention_layernorm, mlp=mlp,
+                  sparse=sparse, w_gu=w_gu, w_down=w_down, act=act)
+
+
+# ---------------------------------------------------------------------------
+# The forward
+# ---------------------------------------------------------------------------
+
+
+class StaticTarget:
+    """A ``LagunaForCausalLM`` forward over a preallocated KV cache for ``batch`` sequences of up to ``capacity`` slots.
+
+    ``forward(ids, positions)`` reads tokens ids (B, Q) at positions (B, Q) (any
+    per-sequence offsets), writes their K/V at those slots, and returns the logits
+    and the outputs of ``layer_ids`` (the drafter's aux hidden states).
+    """
+
+    def __init__(self, target, *, batch: int, capacity: int, layer_ids=(), moe: str = "auto"):
+        cfg = target.config
+        p = next(target.parameters())
+        self.model, self.config, self.device, self.dtype = target, cfg, p.device, p.dtype
+        self.batch, self.capacity = batch, round_up(capacity, 16)  # fused attention kernels like 16-aligned masks
+        self.layer_ids = list(layer_ids)
+        self.moe = resolve_moe(moe, self.device, self.dtype)
+        self.layer_types = list(cfg.layer_types)
+        self.layers = [_prepare_layer(layer, t, cfg.sliding_window) for layer, t in zip(target.model.layers, self.layer_types)]
+        nkv, hd = cfg.num_key_value_heads, self.layers[0].attn.head_dim
+        shape = (batch, nkv, self.capacity, hd)
+        self.cache = [(torch.zeros(shape, device=self.device, dtype=self.dtype),
+                       torch.zeros(shape, device=self.device, dtype=self.dtype)) for _ in self.layers]
+        self.slots = torch.arange(self.capacity, device=self.device)
+
+    # --- pieces ----------------------------------------------------------------
+    def _bias(self, positions: torch.Tensor, window: int | None) -> torch.Tensor:
+        """(B, Q, S) additive mask: slot <= position, and within the window on sliding layers."""
+        pos = positions[:, :, None]
+        visible = self.slots <= pos
+        if window is not None:
+            visible &= self.slots > pos - window
+        return additive_mask(visible, self.dtype)
+
+    def _attention(self, lay: _Layer, i: int, x: torch.Tensor, cos, sin, positions, bias) -> torch.Tensor:
+        a = lay.attn
+        B, Q, _ = x.shape
+        q, k, v, g = F.linear(x, lay.w_in, lay.b_in).split(lay.split, dim=-1)
+        q = triton_ops.norm_rope(a.q_norm, q, cos, sin, q.shape[-1] // a.head_dim, a.head_dim, apply_rope)  # (B, Q, H, hd)
+        k = triton_ops.norm_rope(a.k_norm, k, cos, sin, k.shape[-1] // a.head_dim, a.head_dim, apply_rope)  # (B, Q, nkv, hd)
+        cache_k, cache_v = self.cache[i]
+        write_slots(cache_k, k, positions)
+        write_slots(cache_v, v.view(B, Q, -1, a.head_dim), positions)
+        out = gqa_attention(q, cache_k, cache_v, bias, a.scaling)  # (B, Q, H*hd)
+        gate = F.softplus(g.float()).to(out.dtype)
+        if a.gate_per_head:
+            out = (out.view(B, Q, -1, a.head_dim) * gate.unsqueeze(-1)).view(B, Q, -1)
+        else:
+            out = out * gate
+        return a.o_proj(out)
+
+    def _mlp(self, lay: _Layer, x: torch.Tensor) -> torch.Tensor:
+        B, Q, H = x.shape
+        x = x.reshape(B * Q, H)
+        if not lay.sparse:
+            gate, up = F.linear(x, lay.w_gu).chunk(2, dim=-1)
+            return F.linear(lay.act(gate) * up, lay.w_down).view(B, Q, H)
+        mlp, router = lay.mlp, lay.mlp.gate
+        n_exp = router.weight.shape[0]
+        width = (lay.w_gu.shape[0] - n_exp) // 2
+        logits, gate, up = F.linear(x, lay.w_gu).split([n_exp, width, width], dim=-1)  # router | shared gate | up
+        shared = F.linear(lay.act(gate) * up, lay.w_down)
+        weights, selected = route(router, logits.float(), x.dtype)  # (N, k) each
+        routed = self._experts(mlp.experts, x, selected, weights)
+        return (routed * mlp.routed_scaling_factor + shared).view(B, Q, H)
+
+    def _experts(self, experts, x: torch.Tensor, selected: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        if self.moe == "grouped":
+            return grouped_experts(experts, x, selected, weights)
+        return dense_experts(experts, x, selected, weights)
+
+    # --- the forward -------------------------------------------------------------
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, *, last_index: torch.Tensor | None = None):
+        """ids, positions (B, Q) -> (logits, aux).
+
+        logits: (B, Q, V), or (B, V) at ``last_index`` (B,) when given (a prefill
+        needs only each sequence's last prompt position). aux: (B, Q, n * H) outputs
+        of ``layer_ids`` (raw residual stream, as ``target_forward`` captures them),
+        or None without layer_ids.
+        """
+        m = self.model.model
+        h = m.embed_tokens(ids)
+        rope = {t: m.rotary_emb(h, positions, t) for t in set(self.layer_types)}  # (B, Q, rd) cos, sin
+        windows = {lay.window for lay in self.layers}
+        bias = {w: self._bias(positions, w) for w in windows}
+        captured = {}
+        for i, lay in enumerate(self.layers):
+            cos, sin = rope[lay.layer_type]
+            h = h + self._attention(lay, i, triton_ops.norm(lay.input_norm, h), cos, sin, positions, bias[lay.window])
+            h = h + self._mlp(lay, triton_ops.norm(lay.post_norm, h))
+            if i in self.layer_ids:
+                captured[i] = h
+        aux = torch.cat([captured[i] for i in self.layer_ids], dim=-1) if self.layer_ids else None  # (B, Q, n*H)
+        if last_index is not None:
+            h = h.gather(1, last_index[:, None, None].expand(-1, 1, h.shape[-1]))[:, 0]  # (B, H)
+        return self.model.lm_head(triton_ops.norm(m.norm, h)), aux
+
+
+# ---------------------------------------------------------------------------
+# Router and experts
+# ---------------------------------------------------------------------------
+
+
+def route(router, logits: torch.Tensor, dtype: torch.dtype):
+    """Laguna's router on float32 logits (N, E): sigmoid scores, top-k by score + correction bias,
+    weights renormalised over the chosen k -> (weights (N, k) in dtype, expert ids (N, k))."""
+    cap = getattr(router, "router_logit_softcapping", 0.0) or 0.0
+    if cap > 0:
+        logits = torch.tanh(logits / cap) * cap
+    scores = torch.sigmoid(logits)
+    _, selected = torch.topk(scores + router.e_score_correction_bias.to(scores.dtype), router.top_k, dim=-1)
+    weights = scores.gather(-1, selected)
+    return (weights / weights.sum(dim=-1, keepdim=True)).to(dtype), selected
+
+
+def _gate_up_act(experts, h: torch.Tensor) -> torch.Tensor:
+    gate, up = h.chunk(2, dim=-1)
+    return experts.act_fn(gate) * up
+
+
+def grouped_experts(experts, x: torch.Tensor, selected: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """The routed experts as two grouped GEMMs: (token, expert) pairs sorted by expert, one group per expert.
+
+    Group sizes come from a scatter-add on the device (no bincount, which syncs);
+    experts with no tokens cost nothing. x (N, H) -> (N, H).
+    """
+    N, k = selected.shape
+    gmm = _grouped_mm()
+    flat = selected.reshape(-1)  # (N*k,)
+    order = torch.argsort(flat)
+    counts = torch.zeros(experts.gate_up_proj.shape[0], dtype=torch.int32, device=x.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+    offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+    xs = x[order // k]  # (N*k, H) grouped by expert
+    h = gmm(xs, experts.gate_up_proj.transpose(1, 2), offs=offsets)  # (N*k, 2I)
+    out = gmm(_gate_up_act(experts, h), experts.down_proj.transpose(1, 2), offs=offsets)  # (N*k, H)
+    out = out * weights.reshape(-1)[order, None]
+    unsorted = torch.empty_like(out).index_copy_(0, order, out)  # back to (token, slot) order
+    return unsorted.view(N, k, -1).sum(dim=1)
+
+
+def dense_experts(experts, x: torch.Tensor, selected: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Every expert over every token in one batched GEMM per projection, then the chosen k of them.
+
+    E/k times the arithmetic of the routed computation and no sort: right for a few
+    small experts (the shipped pair: 8 of width 128), wrong for Laguna-XS.2's 256.
+    """
+    E = experts.gate_up_proj.shape[0]
+    h = torch.bmm(x.unsqueeze(0).expand(E, -1, -1), experts.gate_up_proj.transpose(1, 2))  # (E, N, 2I)
+    out = torch.bmm(_gate_up_act(experts, h), experts.down_proj.transpose(1, 2))  # (E, N, H)
+    picked = out.transpose(0, 1).gather(1, selected[..., None].expand(-1, -1, out.shape[-1]))  # (N, k, H)
+    return (picked * weights[..., None]).sum(dim=1)

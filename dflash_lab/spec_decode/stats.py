@@ -1,0 +1,144 @@
+"""Statistics: vLLM's speculative-decoding counters, plus the views a lab wants to see.
+
+The counters and their definitions are vLLM's (``v1/spec_decode/metrics.py``,
+``SpecDecodingStats.observe_draft``), so the same figures draw the lab's runs
+and a production server's /metrics (``dflash_lab.metrics`` reads those into a
+``SpecDecodeStats``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SpecDecodeStats:
+    """Speculative-decoding counters with vLLM's definitions.
+
+    num_accepted_tokens_per_pos[i] counts the drafts whose first i+1 drafted
+    tokens were all accepted; a draft that proposed nothing is not a draft.
+    Stats of several runs merge with ``+`` (``sum(stats_list)`` works too).
+    """
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+    acceptance_lengths: list[int] = field(default_factory=list)  # per draft: 1 + accepted (bonus included)
+    num_generated_tokens: int = 0  # tokens emitted after the prompt
+    num_target_forwards: int = 0  # prefill + one verification per step
+    drafter_time_s: float = 0.0  # drafter forwards + context K/V appends
+    target_time_s: float = 0.0  # prefill + verification forwards
+    # How drafts were chosen when sampling: "greedy" (vLLM's default: the drafter's argmax, q one-hot)
+    # or "probabilistic" (sampled from q); None for greedy decoding, mixed runs or a /metrics page.
+    draft_sample_method: str | None = None
+
+    def observe_draft(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
+        """Count one verified draft, exactly as vLLM's SpecDecodingStats.observe_draft does."""
+        if not 0 <= num_accepted_tokens <= num_draft_tokens:
+            raise ValueError(f"accepted {num_accepted_tokens} of {num_draft_tokens} draft tokens is impossible")
+        if len(self.num_accepted_tokens_per_pos) < num_draft_tokens:
+            self.num_accepted_tokens_per_pos += [0] * (num_draft_tokens - len(self.num_accepted_tokens_per_pos))
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted_tokens
+        for i in range(num_accepted_tokens):
+            self.num_accepted_tokens_per_pos[i] += 1
+        self.acceptance_lengths.append(1 + num_accepted_tokens)
+
+    # --- what vLLM logs ------------------------------------------------------
+    @property
+    def num_speculative_tokens(self) -> int:
+        return len(self.num_accepted_tokens_per_pos)
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """1 + accepted / drafts: tokens per verification, the bonus token included."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else math.nan
+
+    @property
+    def per_position_acceptance_rate(self) -> list[float]:
+        """Fraction of drafts whose first i+1 tokens were all accepted."""
+        return [c / self.num_drafts if self.num_drafts else 0.0 for c in self.num_accepted_tokens_per_pos]
+
+    @property
+    def draft_acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else math.nan
+
+    # --- derived views for the lab -------------------------------------------
+    @property
+    def conditional_acceptance_rate(self) -> list[float]:
+        """P(position i accepted | positions < i accepted): per_pos[i] / per_pos[i-1]."""
+        prev = [self.num_drafts] + self.num_accepted_tokens_per_pos[:-1]
+        return [c / p if p else math.nan for c, p in zip(self.num_accepted_tokens_per_pos, prev)]
+
+    def acceptance_length_counts(self) -> list[int]:
+        """counts[a-1] = drafts with acceptance length a (1 .. K+1).
+
+        Exact from the per-position counters alone (a draft with n accepted adds
+        1 to positions 0..n-1), so it works for stats read from vLLM's /metrics too.
+        """
+        per_pos = self.num_accepted_tokens_per_pos
+        at_least = [self.num_drafts] + per_pos + [0]  # drafts with >= n accepted, n = 0 .. K+1
+        return [at_least[n] - at_least[n + 1] for n in range(len(per_pos) + 1)]
+
+    @property
+    def target_forwards_per_token(self) -> float:
+        """Target forwards per generated token: 1.0 for plain decoding, lower is better."""
+        return self.num_target_forwards / self.num_generated_tokens if self.num_generated_tokens else math.nan
+
+    # --- merging -------------------------------------------------------------
+    def __add__(self, other: "SpecDecodeStats") -> "SpecDecodeStats":
+        if not isinstance(other, SpecDecodeStats):
+            return NotImplemented
+        return SpecDecodeStats(
+            num_drafts=self.num_drafts + other.num_drafts,
+            num_draft_tokens=self.num_draft_tokens + other.num_draft_tokens,
+            num_accepted_tokens=self.num_accepted_tokens + other.num_accepted_tokens,
+            num_accepted_tokens_per_pos=_per_pos(self, other, 1),
+            acceptance_lengths=self.acceptance_lengths + other.acceptance_lengths,
+            num_generated_tokens=self.num_generated_tokens + other.num_generated_tokens,
+            num_target_forwards=self.num_target_forwards + other.num_target_forwards,
+            drafter_time_s=self.drafter_time_s + other.drafter_time_s,
+            target_time_s=self.target_time_s + other.target_time_s,
+            draft_sample_method=self.draft_sample_method if self.draft_sample_method == other.draft_sample_method else None,
+        )
+
+    def __radd__(self, other):
+        return self if other == 0 else NotImplemented  # so that sum(list_of_stats) works
+
+    def __sub__(self, other: "SpecDecodeStats") -> "SpecDecodeStats":
+        """Counters of ``self`` minus ``other``: a run between two scrapes of vLLM's cumulative counters."""
+        if not isinstance(other, SpecDecodeStats):
+            return NotImplemented
+        diff = SpecDecodeStats(
+            num_drafts=self.num_drafts - other.num_drafts,
+            num_draft_tokens=self.num_draft_tokens - other.num_draft_tokens,
+            num_accepted_tokens=self.num_accepted_tokens - other.num_accepted_tokens,
+            num_accepted_tokens_per_pos=_per_pos(self, other, -1),
+            num_generated_tokens=self.num_generated_tokens - other.num_generated_tokens,
+            num_target_forwards=self.num_target_forwards - other.num_target_forwards,
+        )
+        if min([diff.num_drafts, diff.num_draft_tokens, diff.num_accepted_tokens, *diff.num_accepted_tokens_per_pos]) < 0:
+            raise ValueError("counters went down: subtract the EARLIER stats from the later ones (did the server restart?)")
+        return diff
+
+    def summary(self, digits: int = 3) -> dict:
+        """The headline numbers, rounded (small enough to print in a notebook); None where undefined."""
+        r = lambda x: (round(x, digits) if math.isfinite(x) else None) if isinstance(x, float) else x  # noqa: E731
+        return {
+            "drafts": self.num_drafts,
+            "draft_tokens": self.num_draft_tokens,
+            "accepted_tokens": self.num_accepted_tokens,
+            "mean_acceptance_length": r(self.mean_acceptance_length),
+            "per_position_acceptance_rate": [r(x) for x in self.per_position_acceptance_rate],
+        }
+
+
+def _per_pos(a: SpecDecodeStats, b: SpecDecodeStats, sign: int) -> list[int]:
+    """a's per-position counts plus (sign=1) or minus (sign=-1) b's; the shorter list counts as zeros."""
+    x, y = a.num_accepted_tokens_per_pos, b.num_accepted_tokens_per_pos
+    n = max(len(x), len(y))
+    x, y = x + [0] * (n - len(x)), y + [0] * (n - len(y))
+    return [i + sign * j for i, j in zip(x, y)]

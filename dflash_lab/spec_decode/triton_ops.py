@@ -1,0 +1,148 @@
+"""Two fused kernels for the static decode path: RMSNorm, and per-head RMSNorm + RoPE.
+
+In a CUDA graph the cost of a decode step of the shipped pair is the number of
+kernels, not their arithmetic. Laguna's RMSNorm in torch is ~7 kernels (upcast,
+square, mean, add, rsqrt, multiply, downcast, weight), and the q/k head norms
+followed by partial RoPE ~26 per attention layer. Each becomes one kernel here:
+
+    rms_norm(x, weight, eps)                   weight * round(x * rsqrt(mean(x^2) + eps))
+    head_norm_rope(q, k, wq, wk, cos, sin, eps) q/k head norms, then rotate_half RoPE on the
+                                                first rotary_dim channels, both in one launch
+
+Numerics follow the modules: statistics in float32, the normalised value rounded
+to the input dtype before the weight, RoPE's products and sum each rounded to the
+input dtype. The sum inside the mean runs in another order than torch's, so
+results agree to rounding (float32: ~1e-7 relative), not bit for bit.
+
+``enabled(x)``: CUDA tensors with Triton installed, unless DFLASH_LAB_FUSED=0
+(the switch ``dflash_lab.kernels`` reads). Elsewhere the callers use the modules.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import kernels
+
+try:  # Triton is a GPU-side extra
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the machine
+    triton = None
+
+
+def enabled(x: torch.Tensor) -> bool:
+    return triton is not None and kernels.fused_enabled() and (x.is_cuda or kernels.interpreting())
+
+
+if triton is not None:
+
+    @triton.jit
+    def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, N, D, stride_x, eps, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+        rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]  # (R, 1)
+        cols = tl.arange(0, BLOCK_D)[None, :]  # (1, D)
+        mask = (rows < N) & (cols < D)
+        x = tl.load(x_ptr + rows.to(tl.int64) * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+        rstd = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=1) / D + eps)  # (R,)
+        dt = out_ptr.dtype.element_ty
+        y = (x * rstd[:, None]).to(dt).to(tl.float32)  # normalised, rounded to the input dtype
+        w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
+        tl.store(out_ptr + rows.to(tl.int64) * D + cols, (w * y).to(dt), mask=mask)
+
+    @triton.jit
+    def _head_norm_rope_kernel(
+        x_ptr, out_ptr, w_ptr, cos_ptr, sin_ptr, N, stride_x, stride_cs, eps,
+        HEADS: tl.constexpr, HD: tl.constexpr, ROT: tl.constexpr,
+        BLOCK_T: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
+    ):
+        # One program = BLOCK_T tokens x one head. Channels in three pieces so that
+        # rotate_half is elementwise: [0, ROT/2), [ROT/2, ROT), [ROT, HD) (not rotated).
+        HALF: tl.constexpr = ROT // 2
+        PASS: tl.constexpr = HD - ROT
+        head = tl.program_id(1)
+        tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)[:, None]  # (T, 1)
+        c1 = tl.arange(0, BLOCK_HALF)[None, :]
+        c3 = tl.arange(0, BLOCK_PASS)[None, :]
+        m1 = (tok < N) & (c1 < HALF)
+        m3 = (tok < N) & (c3 < PASS)
+        src = x_ptr + tok.to(tl.int64) * stride_x + head * HD
+        x1 = tl.load(src + c1, mask=m1, other=0.0).to(tl.float32)
+        x2 = tl.load(src + HALF + c1, mask=m1, other=0.0).to(tl.float32)
+        x3 = tl.load(src + ROT + c3, mask=m3, other=0.0).to(tl.float32)
+        dt = out_ptr.dtype.element_ty
+        ss = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1) + tl.sum(x3 * x3, axis=1)
+        rstd = (1.0 / tl.sqrt_rn(ss / HD + eps))[:, None]
+        w1 = tl.load(w_ptr + c1, mask=c1 < HALF, other=0.0).to(tl.float32)
+        w2 = tl.load(w_ptr + HALF + c1, mask=c1 < HALF, other=0.0).to(tl.float32)
+        w3 = tl.load(w_ptr + ROT + c3, mask=c3 < PASS, other=0.0).to(tl.float32)
+        y1 = (w1 * (x1 * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        y2 = (w2 * (x2 * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        y3 = (w3 * (x3 * rstd).to(dt).to(tl.float32)).to(dt)
+        cs = tok.to(tl.int64) * stride_cs
+        cos1 = tl.load(cos_ptr + cs + c1, mask=m1, other=0.0).to(tl.float32)
+        cos2 = tl.load(cos_ptr + cs + HALF + c1, mask=m1, other=0.0).to(tl.float32)
+        sin1 = tl.load(sin_ptr + cs + c1, mask=m1, other=0.0).to(tl.float32)
+        sin2 = tl.load(sin_ptr + cs + HALF + c1, mask=m1, other=0.0).to(tl.float32)
+        # x_rot * cos + cat(-x2, x1) * sin, each product and the sum rounded to the dtype
+        o1 = ((y1 * cos1).to(dt).to(tl.float32) + (-y2 * sin1).to(dt).to(tl.float32)).to(dt)
+        o2 = ((y2 * cos2).to(dt).to(tl.float32) + (y1 * sin2).to(dt).to(tl.float32)).to(dt)
+        dst = out_ptr + (tok.to(tl.int64) * HEADS + head) * HD
+        tl.store(dst + c1, o1, mask=m1)
+        tl.store(dst + HALF + c1, o2, mask=m1)
+        tl.store(dst + ROT + c3, y3, mask=m3)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Laguna's RMSNorm of x (..., D) in one kernel (rows may be strided; each row contiguous)."""
+    shape = x.shape
+    D = shape[-1]
+    x2 = x.reshape(-1, D)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    out = torch.empty(x2.shape, device=x.device, dtype=x.dtype)
+    n = x2.shape[0]
+    if n:
+        block_r = 4 if D <= 1024 else 1
+        _rms_norm_kernel[(triton.cdiv(n, block_r),)](x2, weight, out, n, D, x2.stride(0), float(eps),
+                                                    BLOCK_R=block_r, BLOCK_D=triton.next_power_of_2(D), num_warps=4)
+    return out.view(shape)
+
+
+def head_norm_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float,
+                   heads: int, head_dim: int) -> torch.Tensor:
+    """x (..., heads * head_dim) (a slice of a projection: rows may be strided) -> (..., heads, head_dim):
+    per-head RMSNorm with ``weight`` (head_dim,), then RoPE with cos/sin (..., rotary_dim) on the first
+    rotary_dim channels (Laguna's q_norm/k_norm followed by apply_rope)."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    cs, sn = cos.reshape(-1, cos.shape[-1]), sin.reshape(-1, sin.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    if cs.stride(-1) != 1 or sn.stride(-1) != 1 or cs.stride(0) != sn.stride(0):
+        cs, sn = cs.contiguous(), sn.contiguous()
+    n, rot = x2.shape[0], cs.shape[-1]
+    out = torch.empty((n, heads, head_dim), device=x.device, dtype=x.dtype)
+    if n:
+        block_t = max(1, min(16, 2048 // triton.next_power_of_2(head_dim)))
+        _head_norm_rope_kernel[(triton.cdiv(n, block_t), heads)](
+            x2, out, weight, cs, sn, n, x2.stride(0), cs.stride(0), float(eps),
+            HEADS=heads, HD=head_dim, ROT=rot, BLOCK_T=block_t, BLOCK_HALF=triton.next_power_of_2(rot // 2),
+            BLOCK_PASS=triton.next_power_of_2(max(head_dim - rot, 1)), num_warps=4)
+    return out.view(*lead, heads, head_dim)
+
+
+def norm(module, x: torch.Tensor) -> torch.Tensor:
+    """An RMSNorm module (Laguna's or the lab's) applied to x: one kernel where ``enabled``, else the module."""
+    if enabled(x):
+        eps = getattr(module, "variance_epsilon", None) or getattr(module, "eps")
+        return rms_norm(x, module.weight, eps)
+    return module(x)
+
+
+def norm_rope(module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, head_dim: int,
+              apply_rope) -> torch.Tensor:
+    """A head norm module then RoPE: one kernel where ``enabled``, else the module and ``apply_rope``."""
+    if enabled(x):
+        eps = getattr(module, "variance_epsilon", None) or getattr(module, "eps")
+        return head_norm_rope(x, module.weight, cos, sin, eps, heads, head_dim)
+    return apply_rope(module(x.unflatten(-1, (heads, head_dim))), cos, sin)

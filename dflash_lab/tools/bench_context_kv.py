@@ -1,0 +1,208 @@
+"""Benchmark: the context-K/V paths against the GEMM floor.
+
+    python -m dflash_lab.tools.bench context-kv [--quick]
+
+Times reference / batched / batched + torch.compile / folded / folded + the
+fused Triton epilogue at Laguna-XS.2's drafter shapes, next to the folded
+path's GEMM alone (what no path can beat), and checks every path against the
+reference with ``context_kv_agreement``. Writes benchmarks/context_kv.{json,md}
+and context_kv_diagnostics.json (errors, compile time, the epilogue's GB/s).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import time
+from pathlib import Path
+
+import torch
+
+from .. import kernels
+from ..context_kv import build_context_kv_buffers, context_kv_agreement, context_kv_batched
+from ..drafter import DFlashLagunaDrafter
+from ..runtime import BENCHMARKS_DIR, device_name, resolve_device
+from .bench_common import XS2, time_ms, write_results, xs2_drafter
+
+# What is timed: the three paths of context_kv.py, two variants, and the floor.
+TIMED_PATHS = ("reference", "batched", "batched_compiled", "folded", "folded_triton", "gemm_floor")
+
+
+def context_kv_paths(drafter: DFlashLagunaDrafter, *, compiled: bool, fused: bool) -> dict:
+    """name -> fn(context, positions) for every path this machine can run."""
+    paths = {
+        "reference": lambda x, p: drafter.precompute_context_kv(x, p, "reference"),
+        "batched": lambda x, p: drafter.precompute_context_kv(x, p, "batched"),
+        "folded": lambda x, p: drafter.precompute_context_kv(x, p, "folded", fused=False),
+    }
+    if fused:
+        paths["folded_triton"] = lambda x, p: drafter.precompute_context_kv(x, p, "folded", fused=True)
+    if compiled:
+        paths["batched_compiled"] = torch.compile(functools.partial(context_kv_batched, drafter))
+
+    weights = {}
+
+    def gemm_floor(x, p):  # the folded path's one GEMM and nothing else: what no path can beat
+        if x.dtype not in weights:
+            weights[x.dtype] = build_context_kv_buffers(drafter, x.device, x.dtype)["folded_weight"]
+        return x @ weights[x.dtype].T
+
+    paths["gemm_floor"] = gemm_floor
+    return paths
+
+
+def run_context_kv(*, layers, contexts, device, dtype, compiled: bool, fused: bool, progress=print,
+                   checkpoint=None, **shape) -> tuple[list, list]:
+    """Time every path at every (layers, context); return (records, diagnostics).
+
+    checkpoint(records, diagnostics), if given, runs after each drafter depth (partial results survive a timeout).
+    """
+    name = device_name(device)
+    records, diagnostics = [], []
+    for L in layers:
+        drafter = xs2_drafter(L, device, dtype, **shape)
+        paths = context_kv_paths(drafter, compiled=compiled, fused=fused)
+        cfg = drafter.config
+        # Largest context first: torch.compile specialises on the first shape it sees
+        # (the one the targets are set at), then turns dynamic for the others.
+        for N in sorted(contexts, reverse=True):
+            g = torch.Generator(device).manual_seed(N)
+            x = torch.randn(N, cfg.hidden_size, device=device, generator=g).to(dtype)
+            pos = torch.arange(N, device=device)
+            with torch.no_grad():
+                ref = paths["reference"](x, pos)
+                diag = {"layers": L, "context": N}
+                for path, fn in paths.items():
+                    t0 = time.perf_counter()
+                    out = fn(x, pos)  # first call: compiles where there is something to compile
+                    if path not in ("reference", "gemm_floor"):
+                        agree = context_kv_agreement(out, ref)
+                        diag[f"{path}_err"] = {"max": agree["max_err"], "mean": agree["mean_err"], "ok": agree["ok"]}
+                        del agree
+                    if path == "batched_compiled":
+                        diag["compile_s"] = round(time.perf_counter() - t0, 1)
+                    del out
+                    ms = time_ms(lambda: fn(x, pos), device, budget_s=0.3)
+                    records.append({"path": path, "layers": L, "context": N, "ms": round(ms, 4), "device": name})
+                    progress(f"  L={L} N={N:>6} {path:17s} {ms:9.3f} ms")
+                if fused:  # the epilogue alone: how close to the memory system is it?
+                    bufs = build_context_kv_buffers(drafter, device, dtype)
+                    kv = (x @ bufs["folded_weight"].T).view(N, L, 2, cfg.num_key_value_heads, cfg.head_dim)
+                    rstd = kernels.row_rstd(x, cfg.rms_norm_eps)
+                    ep = time_ms(lambda: kernels.knorm_rope_split(kv, bufs["k_norm_weights"], pos, cfg, row_scale=rstd), device)
+                    rs = time_ms(lambda: kernels.row_rstd(x, cfg.rms_norm_eps), device)
+                    nbytes = kernels.epilogue_bytes(N, L, cfg.num_key_value_heads, cfg.head_dim, dtype)
+                    diag.update(epilogue_ms=round(ep, 4), epilogue_GBps=round(nbytes / ep / 1e6, 1), row_rstd_ms=round(rs, 4))
+                    del kv
+                diagnostics.append(diag)
+            del x, ref
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        del drafter, paths
+        if checkpoint is not None:
+            checkpoint(records, diagnostics)
+    return records, diagnostics
+
+
+def _lookup(records, path, L, N):
+    for r in records:
+        if (r["path"], r["layers"], r["context"]) == (path, L, N):
+            return r["ms"]
+    return None
+
+
+def context_kv_targets(records, L: int = 5, N: int = 32768) -> list[dict]:
+    """The issue's three targets at (L, N): measured ratio, goal, met?"""
+    t = {p: _lookup(records, p, L, N) for p in TIMED_PATHS}
+    out = []
+    for what, num, den, goal, higher in [
+        ("reference / folded_triton", "reference", "folded_triton", 4.0, True),
+        ("batched_compiled / folded_triton", "batched_compiled", "folded_triton", 1.5, True),
+        ("folded_triton / gemm_floor", "folded_triton", "gemm_floor", 1.25, False),
+    ]:
+        if t[num] is None or t[den] is None:
+            continue
+        ratio = t[num] / t[den]
+        out.append({"ratio": what, "value": round(ratio, 3), "goal": f"{'>=' if higher else '<='} {goal}",
+                    "met": ratio >= goal if higher else ratio <= goal})
+    return out
+
+
+def context_kv_markdown(records, diagnostics=(), *, dtype="bfloat16", command="",
+                        shapes_note="drafter hidden 2048, 8 KV heads x head_dim 128 (Laguna-XS.2 shapes)") -> str:
+    """A table of median times per path and the ratios that matter."""
+    shapes = sorted({(r["layers"], r["context"]) for r in records})
+    paths = [p for p in TIMED_PATHS if any(r["path"] == p for r in records)]
+    dev = records[0]["device"] if records else "?"
+    lines = [
+        "# Context K/V precompute",
+        "",
+        f"Device: {dev}; {dtype}; {shapes_note}, partial rotary 0.5, positions 0..N-1. "
+        f"Median ms after warm-up ({'CUDA events' if 'CPU' not in dev else 'host clock'}), one process. "
+        "gemm_floor is the folded path's GEMM alone ([N, H] x [H, L*2*nkv*hd]).",
+        "",
+        "| L | N | " + " | ".join(paths) + " | ref / triton | compiled / triton | triton / floor |",
+        "|---|---|" + "---|" * (len(paths) + 3),
+    ]
+    for L, N in shapes:
+        t = {p: _lookup(records, p, L, N) for p in paths}
+        ratio = lambda a, b: f"{t[a] / t[b]:.2f}" if t.get(a) and t.get(b) else "-"  # noqa: E731
+        cells = [f"{t[p]:.3f}" if t[p] is not None else "-" for p in paths]
+        lines.append(f"| {L} | {N} | " + " | ".join(cells) + f" | {ratio('reference', 'folded_triton')} | "
+                     f"{ratio('batched_compiled', 'folded_triton')} | {ratio('folded_triton', 'gemm_floor')} |")
+    targets = context_kv_targets(records)
+    if targets:
+        lines += ["", "## Targets at L=5, N=32768", "", "| ratio | measured | goal | met |", "|---|---|---|---|"]
+        lines += [f"| {t['ratio']} | {t['value']:.3f} | {t['goal']} | {'yes' if t['met'] else 'NO'} |" for t in targets]
+    if diagnostics and any("epilogue_ms" in d for d in diagnostics):
+        lines += ["", "## The fused epilogue alone", "",
+                  "One read of the GEMM output, one write of K and V; bytes counted that way over the time.", "",
+                  "| L | N | epilogue ms | GB/s | row 1/rms ms | folded_triton bf16 err max / mean |", "|---|---|---|---|---|---|"]
+        for d in sorted(diagnostics, key=lambda d: (d["layers"], d["context"])):
+            if "epilogue_ms" in d:
+                e = d.get("folded_triton_err", {})
+                lines.append(f"| {d['layers']} | {d['context']} | {d['epilogue_ms']:.3f} | {d['epilogue_GBps']:.0f} | "
+                             f"{d['row_rstd_ms']:.3f} | {e.get('max', math.nan):.3g} / {e.get('mean', math.nan):.2g} |")
+    if command:
+        lines += ["", f"Command: `{command}`"]
+    return "\n".join(lines) + "\n"
+
+
+def context_kv(args) -> int:
+    """The `context-kv` subcommand."""
+    device = resolve_device(args.device, caller="bench context-kv")
+    dtype = getattr(torch, args.dtype)
+    quick = args.quick
+    layers = args.layers or ([1, 2] if quick else [1, 3, 5, 8])
+    contexts = args.contexts or ([64, 256] if quick else [1024, 8192, 32768])
+    shape = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64, intermediate_size=128) if quick else {}
+    fused = kernels.fused_available(torch.empty(0, device=device))
+    compiled = not args.no_compile and (device.type == "cuda" or not quick)
+    print(f"context-kv on {device_name(device)}: L={layers} N={contexts} {args.dtype}; "
+          f"folded_triton {'on' if fused else 'off (no CUDA/Triton)'}; torch.compile {'on' if compiled else 'off'}", flush=True)
+    out, stem = Path(args.out), "context_kv_quick" if quick else "context_kv"
+    records, diagnostics = run_context_kv(
+        layers=layers, contexts=contexts, device=device, dtype=dtype, compiled=compiled, fused=fused,
+        progress=lambda s: print(s, flush=True), checkpoint=lambda r, d: write_results(out, stem + "_partial", r), **shape)
+    command = "python -m dflash_lab.tools.bench context-kv" + (" --quick" if quick else "")
+    note = "drafter hidden {hidden_size}, {num_key_value_heads} KV heads x head_dim {head_dim}".format(**{**XS2, **shape})
+    md = context_kv_markdown(records, diagnostics, dtype=args.dtype, command=command,
+                             shapes_note=note + ("" if quick else " (Laguna-XS.2 shapes)"))
+    paths = write_results(out, stem, records, md)
+    (out / f"{stem}_partial.json").unlink(missing_ok=True)
+    paths += write_results(out, stem + "_diagnostics", diagnostics)
+    print(md)
+    print("wrote", *paths)
+    return 0
+
+
+def add_command(subparsers) -> None:
+    p = subparsers.add_parser("context-kv", help="context K/V precompute: every path vs the GEMM floor")
+    p.add_argument("--quick", action="store_true", help="small shapes; runs on a CPU")
+    p.add_argument("--layers", type=int, nargs="+", help="drafter layers (default 1 3 5 8)")
+    p.add_argument("--contexts", type=int, nargs="+", help="context lengths (default 1024 8192 32768)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--device", help="default: $DFLASH_LAB_DEVICE, else cuda when present")
+    p.add_argument("--no-compile", action="store_true", help="skip torch.compile of the batched path")
+    p.add_argument("--out", default=str(BENCHMARKS_DIR), help="output folder (default benchmarks/)")
+    p.set_defaults(func=context_kv)

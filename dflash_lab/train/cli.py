@@ -1,0 +1,128 @@
+"""`python -m dflash_lab.train tokenizer|corpus|target|distill|drafter|evaluate`: options, then the stage's run_* function."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from .. import corpus
+from ..config import LAYER_TYPES
+from ..runtime import DEFAULT_DRAFTER, DEFAULT_TARGET, HELDOUT_PROMPTS
+from . import code_corpus
+from .distill import DistillConfig
+from .drafter_training import ATTENTION_PRESETS, DrafterTrainConfig, run_distill, run_drafter
+from .evaluate import run_evaluate
+from .target_lm import TargetTrainConfig, run_target
+from .tokenizer import run_tokenizer
+
+DESCRIPTION = "Train the lab's tiny Laguna code model and its DFlash drafter."
+
+
+def add_common_options(sp) -> None:
+    sp.add_argument("--seed", type=int, default=0)
+    sp.add_argument("--corpus", default=None,
+                    help="corpus root directory, or a corpus pack (`corpus` command; default: this interpreter's stdlib)")
+    sp.add_argument("--prompts", default=str(HELDOUT_PROMPTS), help="held-out prompt JSON")
+    sp.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    sp.add_argument("--time-budget", type=float, default=None, help="seconds for the whole command")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m dflash_lab.train", description=DESCRIPTION)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    sp = sub.add_parser("tokenizer", help="train the BPE tokenizer and cut the held-out prompts (CPU)")
+    add_common_options(sp)
+    sp.add_argument("--out", default=str(DEFAULT_TARGET))
+    sp.add_argument("--vocab-size", type=int, default=4096)
+    sp.add_argument("--num-prompts", type=int, default=corpus.NUM_PROMPTS)
+    sp.set_defaults(func=run_tokenizer)
+
+    sp = sub.add_parser("corpus", help="pack the stdlib + permissively licensed installed packages' sources (CPU)")
+    add_common_options(sp)
+    sp.add_argument("--site-packages", default=None, help="default: this interpreter's site-packages")
+    sp.add_argument("--max-bytes-per-package", type=int, default=2_000_000)
+    sp.add_argument("--out", required=True, help=f"the pack file (name ending in {code_corpus.PACK_SUFFIX})")
+    sp.set_defaults(func=code_corpus.run_corpus)
+
+    sp = sub.add_parser("target", help="train the tiny Laguna target")
+    add_common_options(sp)
+    sp.add_argument("--tokenizer", default=str(DEFAULT_TARGET))
+    sp.add_argument("--out", default=str(DEFAULT_TARGET))
+    sp.add_argument("--epochs", type=float, default=TargetTrainConfig.epochs)
+    sp.add_argument("--batch-size", type=int, default=TargetTrainConfig.batch_size)
+    sp.add_argument("--seq-len", type=int, default=TargetTrainConfig.seq_len)
+    sp.add_argument("--lr", type=float, default=TargetTrainConfig.lr)
+    sp.set_defaults(func=run_target)
+
+    sp = sub.add_parser("distill", help="only generate self-distillation data (to share between drafters)")
+    add_common_options(sp)
+    add_distill_options(sp)
+    sp.set_defaults(func=run_distill)
+
+    sp = sub.add_parser("drafter", help="generate self-distillation data and train the DFlash drafter")
+    add_common_options(sp)
+    add_distill_options(sp)
+    sp.add_argument("--out", default=str(DEFAULT_DRAFTER))
+    sp.add_argument("--layers", type=int, default=DrafterTrainConfig.num_layers)
+    sp.add_argument("--intermediate-size", type=int, default=DrafterTrainConfig.intermediate_size)
+    sp.add_argument("--attention", choices=sorted(ATTENTION_PRESETS), default=None,
+                    help="paper: full attention, non-causal; poolside: sliding window 64, causal "
+                         "(sets the three options below, which still override it)")
+    sp.add_argument("--layer-type", choices=LAYER_TYPES, default=None,
+                    help=f"drafter layer type (default {DrafterTrainConfig.layer_type})")
+    sp.add_argument("--sliding-window", type=int, default=None, help="sliding_attention layers: the window")
+    sp.add_argument("--causal", choices=("auto", "true", "false"), default=None,
+                    help="causal inside the block: auto = vLLM's rule (sliding layers causal); "
+                         "true/false are written as dflash_config.causal")
+    sp.add_argument("--block-size", type=int, default=DrafterTrainConfig.block_size)
+    sp.add_argument("--steps", type=int, default=DrafterTrainConfig.steps)
+    sp.add_argument("--batch-size", type=int, default=DrafterTrainConfig.batch_size)
+    sp.add_argument("--lr", type=float, default=DrafterTrainConfig.lr)
+    sp.add_argument("--warmup", type=int, default=DrafterTrainConfig.warmup)
+    sp.add_argument("--short-block-share", type=float, default=DrafterTrainConfig.short_block_share,
+                    help="share of blocks trained at a random shorter length (serves smaller block sizes)")
+    sp.add_argument("--init", default=None, help="continue training this drafter checkpoint")
+    sp.add_argument("--gen-fraction", type=float, default=0.25, help="share of the time budget for data generation")
+    sp.add_argument("--eval-prompts", type=int, default=corpus.NUM_PROMPTS, help="held-out prompts to evaluate on (0: none)")
+    sp.add_argument("--eval-blocks", default="16", help="comma-separated block sizes to evaluate")
+    sp.set_defaults(func=run_drafter)
+
+    sp = sub.add_parser("evaluate", help="acceptance of a target/drafter pair on the held-out prompts")
+    add_common_options(sp)
+    sp.add_argument("--target", default=str(DEFAULT_TARGET))
+    sp.add_argument("--drafter", default=str(DEFAULT_DRAFTER))
+    sp.add_argument("--eval-prompts", type=int, default=corpus.NUM_PROMPTS)
+    sp.add_argument("--eval-blocks", default="16,8,4")
+    sp.add_argument("--update-log", action="store_true", help="write the numbers into the drafter's training log")
+    sp.set_defaults(func=run_evaluate)
+    return p
+
+
+def add_distill_options(sp) -> None:
+    sp.add_argument("--target", default=str(DEFAULT_TARGET))
+    sp.add_argument("--num-sequences", type=int, default=DistillConfig.num_sequences)
+    sp.add_argument("--continuation", type=int, default=DistillConfig.continuation)
+    sp.add_argument("--gen-batch", type=int, default=DistillConfig.gen_batch)
+    sp.add_argument("--min-distinct", type=int, default=DistillConfig.min_distinct,
+                    help="drop continuations with fewer distinct tokens (degenerate repetition)")
+    sp.add_argument("--data", default=None, help="self-distillation data file (.safetensors): read if present, else written")
+
+
+def resolve_attention(args) -> None:
+    """--attention's preset, then --layer-type / --sliding-window / --causal on top of it."""
+    if getattr(args, "command", None) != "drafter":
+        return
+    preset = ATTENTION_PRESETS.get(args.attention) or {"layer_type": DrafterTrainConfig.layer_type,
+                                                       "sliding_window": None, "causal": None}
+    args.layer_type = args.layer_type or preset["layer_type"]
+    if args.sliding_window is None and args.layer_type == preset["layer_type"]:
+        args.sliding_window = preset["sliding_window"]
+    args.causal = preset["causal"] if args.causal is None else {"auto": None, "true": True, "false": False}[args.causal]
+
+
+def main(argv=None) -> None:
+    args = build_parser().parse_args(argv)
+    resolve_attention(args)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
+    args.func(args)

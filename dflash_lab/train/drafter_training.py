@@ -1,0 +1,270 @@
+"""Stage 3b: train the DFlash drafter on self-distilled sequences, then evaluate it.
+
+The loop samples a prefix-length group, a batch of sequences and anchors in
+their continuation window, runs the frozen target once for aux hidden states
+and soft labels, and the drafter once for every block (``objective.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .. import corpus
+from ..checkpoint import load_drafter, save_drafter
+from ..config import LAYER_TYPES, DFlashDrafterConfig
+from ..drafter import DFlashLagunaDrafter
+from ..runtime import load_tokenizer, resolve_device, seed_everything, synchronized_time
+from ..target import load_target, target_layer_ids_spread
+from .common import (LOG_NAME, PACE_FROM, PACE_TO, Clock, ensure_experts_implementation, fit_steps, freeze, lr_at,
+                     progress, run_info, write_log)
+from .distill import DistillConfig, build_distill_data, load_distill_data, load_distill_stats, save_distill_data
+from .evaluate import evaluate_acceptance, load_pair_for_eval, print_acceptance
+from .objective import (draft_logits_for, dflash_loss, position_weights, sample_anchors, sample_block_lengths,
+                        short_block_weights, target_soft_labels)
+from .target_lm import corpus_streams
+from .tokenizer import MASK_ID
+
+
+# Two attention recipes, as published (FIDELITY.md §1, §7): the DFlash paper's drafters are
+# full attention and non-causal inside the block; Poolside's (Laguna-*-DFlash) are sliding-window
+# layers, which vLLM makes causal inside the block.
+ATTENTION_PRESETS = {
+    "paper": {"layer_type": "full_attention", "sliding_window": None, "causal": None},
+    "poolside": {"layer_type": "sliding_attention", "sliding_window": 64, "causal": True},
+}
+
+
+@dataclass
+class DrafterTrainConfig:
+    num_layers: int = 3  # deeper drafts further; 3 layers of hidden 256 keep the pair under 25 MB
+    intermediate_size: int = 768
+    layer_type: str = "full_attention"  # or "sliding_attention" (Poolside's drafters); one type for every layer
+    sliding_window: int | None = None  # sliding layers only: keys a query sees (vLLM's window), e.g. 64
+    causal: bool | None = None  # None: vLLM's rule (sliding layers causal, full ones not); True/False: written
+    # into the config as dflash_config.causal, which vLLM reads first
+    num_aux_layers: int = 4  # target layers the drafter reads, spread over the target's depth
+    block_size: int = 16
+    anchors_per_seq: int = 32
+    batch_size: int = 128
+    steps: int = 4000
+    lr: float = 2e-3
+    warmup: int = 200
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    gamma: float = 7.0  # position-weight decay (the DFlash paper's value for block 16)
+    short_block_share: float = 0.0  # share of blocks cut to a random length 2..bs-1, so smaller blocks work too
+    log_every: int = 20
+    seed: int = 0
+
+
+def check_attention(layer_type: str, sliding_window: int | None, causal: bool | None) -> None:
+    """The attention options make a drafter vLLM can serve: a window exactly for sliding layers."""
+    if layer_type not in LAYER_TYPES:
+        raise ValueError(f"`layer_type` must be one of {list(LAYER_TYPES)}, got {layer_type!r}")
+    if layer_type == "sliding_attention":
+        if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
+            raise ValueError(f"a sliding_attention drafter needs `sliding_window` >= 1, got {sliding_window!r}")
+    elif sliding_window is not None:
+        raise ValueError(f"`sliding_window` {sliding_window} only applies to sliding_attention layers, "
+                         f"not {layer_type}")
+    if causal is not None and not isinstance(causal, bool):
+        raise TypeError(f"`causal` must be True, False or None (vLLM's rule by layer type), got {causal!r}")
+
+
+def make_drafter_config(target_config, cfg: DrafterTrainConfig) -> DFlashDrafterConfig:
+    """A drafter for ``target_config``, shaped by cfg: depth, MLP width, layer type, window, causality."""
+    check_attention(cfg.layer_type, cfg.sliding_window, cfg.causal)
+    n = cfg.num_layers
+    return DFlashDrafterConfig(
+        hidden_size=target_config.hidden_size, num_hidden_layers=n,
+        num_attention_heads=target_config.num_attention_heads, num_key_value_heads=target_config.num_key_value_heads,
+        head_dim=target_config.head_dim, intermediate_size=cfg.intermediate_size, layer_types=[cfg.layer_type] * n,
+        draft_vocab_size=target_config.vocab_size,
+        target_layer_ids=target_layer_ids_spread(target_config.num_hidden_layers, cfg.num_aux_layers),
+        mask_token_id=MASK_ID, block_size=cfg.block_size, target_hidden_size=target_config.hidden_size,
+        target_layer_count=target_config.num_hidden_layers, rms_norm_eps=target_config.rms_norm_eps,
+        # Mask tokens differ only by position: rotate every channel, with a short-range theta (the same for
+        # either layer type, so the paper's and Poolside's drafters differ in attention alone).
+        rope_parameters={cfg.layer_type: {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0}},
+        sliding_window=cfg.sliding_window, causal=cfg.causal,
+        max_position_embeddings=target_config.max_position_embeddings,
+    )
+
+
+def train_drafter(target, data: dict, cfg: DrafterTrainConfig, continuation: int, *, time_budget: float | None = None,
+                  init=None, callback=None, show_progress: bool = True):
+    """Train a DFlashLagunaDrafter on self-distilled sequences; return (drafter, log).
+
+    init: a drafter to continue training (its config wins over cfg's shape fields).
+    callback(step, drafter, log): called after every ``log_every`` steps (a live figure, an
+    evaluation); the drafter is in training mode and gets it back that way.
+    """
+    clock = Clock(time_budget)
+    device = next(target.parameters()).device
+    precision = torch.get_float32_matmul_precision()
+    # The frozen float32 target's forward is most of a step: TF32 tensor cores make it several times
+    # faster, and its soft labels and features move by ~1e-3, far below the drafter's own bf16 noise.
+    torch.set_float32_matmul_precision("high")
+    try:
+        return _train_drafter(target, data, cfg, continuation, clock, device, init, callback, show_progress)
+    finally:
+        torch.set_float32_matmul_precision(precision)
+
+
+def _train_drafter(target, data, cfg, continuation, clock, device, init, callback, show_progress):
+    gen = seed_everything(cfg.seed, deterministic=False)  # training keeps torch's fastest kernels, as the shipped run did
+    if init is not None:
+        drafter = init.to(device=device, dtype=torch.float32).train()
+        for p in drafter.parameters():
+            p.requires_grad_(True)
+        dcfg = drafter.config
+        if dcfg.block_size != cfg.block_size:
+            raise ValueError(f"the initial drafter was built for block size {dcfg.block_size}, not {cfg.block_size}")
+    else:
+        dcfg = make_drafter_config(target.config, cfg)
+        drafter = DFlashLagunaDrafter(dcfg).to(device).train()
+    layer_ids = dcfg.target_layer_ids
+    groups = [(P, torch.from_numpy(v.astype(np.int32)).to(device)) for P, v in sorted(data.items())]
+    sizes = torch.tensor([g[1].shape[0] for g in groups], dtype=torch.float)
+    bs, autocast = cfg.block_size, device.type == "cuda"
+    weights = position_weights(bs, cfg.gamma, device)
+    decay = [p for p in drafter.parameters() if p.dim() >= 2]
+    no_decay = [p for p in drafter.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95),
+                            fused=device.type == "cuda")
+    log = {"stage": "drafter", "config": asdict(cfg), "drafter_config": dcfg.to_dict(), **run_info(device),
+           "initialised_from": getattr(init, "source", None) if init is not None else None,
+           "num_parameters": sum(p.numel() for p in drafter.parameters()),
+           "train_sequences": int(sizes.sum()), "loss_curve": [], "accuracy_curve": [], "eval_curve": []}
+    total = cfg.steps
+    bar = progress(total, "drafter", disable=not show_progress)
+    loop_start, step, seqs_seen, pace = time.perf_counter(), 0, 0, []
+    while step < total:
+        lr = lr_at(step, total, cfg.lr, cfg.warmup, floor=0.05)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        P, pool = groups[int(torch.multinomial(sizes, 1, generator=gen))]
+        rows = torch.randint(0, pool.shape[0], (cfg.batch_size,), generator=gen).to(device)
+        ids = pool[rows].long()  # (B, P + continuation)
+        anchors = sample_anchors(cfg.batch_size, P, P + continuation - bs, cfg.anchors_per_seq, gen).to(device)
+        aux, target_logits = target_soft_labels(target, ids, anchors, layer_ids, bs)  # (B, T, n*H), (B, A, bs-1, V)
+        lengths, w = None, weights
+        if cfg.short_block_share > 0:
+            lengths = sample_block_lengths(anchors.shape, bs, cfg.short_block_share, gen).to(device)  # (B, A)
+            w = short_block_weights(weights, lengths)  # (B, A, bs-1)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+            logits = draft_logits_for(target, drafter, ids, anchors, aux, bs, lengths)[:, :, 1:]
+        loss, agree = dflash_loss(logits, target_logits, w)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(drafter.parameters(), cfg.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        step += 1
+        seqs_seen += cfg.batch_size
+        if step in (PACE_FROM, PACE_TO):
+            pace.append(synchronized_time(device))
+            if step == PACE_TO:
+                per_step = (pace[1] - pace[0]) / (PACE_TO - PACE_FROM) * 1.03
+                total = fit_steps(cfg.steps, step, per_step, clock.left())
+                bar.total = total
+        if step % cfg.log_every == 0 or step == total:
+            log["loss_curve"].append([step, round(loss.item(), 4), lr])
+            log["accuracy_curve"].append([step, [round(a, 4) for a in agree.tolist()]])
+            bar.set_postfix(loss=f"{loss.item():.3f}", acc1=f"{agree[0].item():.2f}")
+            if callback is not None:
+                callback(step, drafter, log)
+                drafter.train()
+        bar.update(1)
+    bar.close()
+    train_time = synchronized_time(device) - loop_start
+    log.update(steps=step, planned_steps=cfg.steps, sequences_seen=seqs_seen,
+               blocks_seen=seqs_seen * cfg.anchors_per_seq, train_seconds=train_time,
+               throughput_blocks_per_s=seqs_seen * cfg.anchors_per_seq / train_time,
+               epochs_seen=seqs_seen / max(1, int(sizes.sum())))
+    return drafter.eval(), log
+
+
+def distill_config(args) -> DistillConfig:
+    return DistillConfig(num_sequences=args.num_sequences, continuation=args.continuation, gen_batch=args.gen_batch,
+                         min_distinct=args.min_distinct, seed=args.seed + 1)
+
+
+def load_frozen_target(path, device):
+    """The target as it ships: bf16 weights, float32 arithmetic (what every user runs on a CPU)."""
+    target = freeze(load_target(path, device=device, dtype=torch.float32))
+    ensure_experts_implementation(target, torch.zeros(2, 8, dtype=torch.long, device=device), backward=False)
+    return target
+
+
+def make_distill_data(args, target, tokenizer, prompts, time_budget):
+    """Fresh self-distillation data (saved to ``args.data`` when given): (data, stats)."""
+    streams = corpus_streams(tokenizer, args.corpus, prompts)
+    data, stats = build_distill_data(target, tokenizer, streams, distill_config(args), time_budget=time_budget)
+    if args.data:
+        save_distill_data(data, args.data, stats)
+    return data, stats
+
+
+def run_distill(args) -> None:
+    """`python -m dflash_lab.train distill`: only the self-distillation data, into ``--data`` (shared by drafters)."""
+    clock = Clock(args.time_budget)
+    device = resolve_device(args.device, caller="train distill")
+    target = load_frozen_target(args.target, device)
+    _, stats = make_distill_data(args, target, load_tokenizer(args.target), corpus.load_prompts(args.prompts),
+                                 args.time_budget)
+    print(f"self-distillation data -> {args.data}: {stats}; {clock.elapsed():.0f}s")
+
+
+def run_drafter(args) -> None:
+    """`python -m dflash_lab.train drafter`: self-distillation data, training, the checkpoint, evaluation."""
+    clock = Clock(args.time_budget)
+    cfg = DrafterTrainConfig(num_layers=args.layers, intermediate_size=args.intermediate_size,
+                             layer_type=args.layer_type, sliding_window=args.sliding_window, causal=args.causal,
+                             block_size=args.block_size, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
+                             warmup=args.warmup, short_block_share=args.short_block_share, seed=args.seed)
+    check_attention(cfg.layer_type, cfg.sliding_window, cfg.causal)  # before minutes of data generation
+    device = resolve_device(args.device, caller="train drafter")
+    tokenizer = load_tokenizer(args.target)
+    prompts = corpus.load_prompts(args.prompts)
+    target = load_frozen_target(args.target, device)
+    if args.data and Path(args.data).is_file():
+        data, data_stats = load_distill_data(args.data), {"loaded_from": str(args.data), **load_distill_stats(args.data)}
+    else:
+        gen_budget = None if args.time_budget is None else args.gen_fraction * clock.left()
+        data, data_stats = make_distill_data(args, target, tokenizer, prompts, gen_budget)
+    print(f"self-distillation data: {data_stats}; {clock.elapsed():.0f}s")
+    init = None
+    if args.init:
+        init = load_drafter(args.init, device=device, dtype=torch.float32)
+        init.source = str(args.init)
+    blocks = [int(b) for b in args.eval_blocks.split(",")]
+    reserve = args.eval_prompts * (0.6 + 0.15 * len(blocks)) + 15  # evaluation and saving
+    budget = None if args.time_budget is None else clock.left() - reserve
+    continuation = {v.shape[1] - P for P, v in data.items()}.pop()  # sequences are (n, P + continuation)
+    drafter, log = train_drafter(target, data, cfg, continuation, time_budget=budget, init=init)
+    log["data"] = data_stats
+    if init is not None:  # keep the first run's log: it is part of how this drafter came to be
+        previous = Path(args.init) / LOG_NAME
+        if previous.is_file():
+            log["previous_run"] = json.loads(previous.read_text())
+    save_drafter(drafter, args.out, dtype=torch.bfloat16)
+    write_log(Path(args.out) / LOG_NAME, log)
+    print(f"drafter: {log['steps']} steps in {log['train_seconds']:.0f}s "
+          f"({log['throughput_blocks_per_s']:.0f} blocks/s, {log['epochs_seen']:.2f} passes over the data); "
+          f"last acc {log['accuracy_curve'][-1][1][:4]}")
+    if args.eval_prompts:
+        del data
+        t, d = load_pair_for_eval(args.target, args.out, device)
+        evs = evaluate_acceptance(t, d, tokenizer, prompts[: args.eval_prompts], block_sizes=blocks)
+        log["final"] = {**{f"block_{bs}": ev for bs, ev in evs.items()}, "eval_device": str(device)}
+        for ev in evs.values():
+            print_acceptance(ev)
+    log["wall_seconds"] = clock.elapsed()
+    write_log(Path(args.out) / LOG_NAME, log)

@@ -1,0 +1,95 @@
+"""Chapter 5: fused kernels (context-K/V timings) and the sliding window (acceptance per window).
+
+Timing records are benchmarks/context_kv.json's: {"path", "layers", "context", "ms", "device"}.
+"""
+
+from __future__ import annotations
+
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from dflash_lab.viz.common import PALETTE, _tau
+
+# path -> (label, colour), in the order the legend lists them
+CONTEXT_KV_PATH_STYLE = {
+    "reference": ("reference (per-layer loop)", PALETTE["grey"]),
+    "batched": ("batched (vLLM's structure, eager)", PALETTE["sky"]),
+    "batched_compiled": ("batched + torch.compile", PALETTE["blue"]),
+    "folded": ("folded (torch)", PALETTE["yellow"]),
+    "folded_triton": ("folded + fused Triton epilogue", PALETTE["green"]),
+    "gemm_floor": ("the GEMM alone (floor)", "black"),
+}
+
+
+def _tokens_label(n: int) -> str:
+    return f"{n // 1024}k" if n >= 1024 and n % 1024 == 0 else str(n)
+
+
+def context_kv_timing_figure(records, *, layers: int = 5, highlight: str | None = None,
+                             title: str | None = None) -> go.Figure:
+    """Median time of every context-K/V path against context length, for one drafter depth.
+
+    Left: milliseconds (log scale), the GEMM floor as a dashed line. Right: each
+    path's time over the floor. ``highlight`` (a path name) fades the others.
+    """
+    rows = [r for r in records if r["layers"] == layers]
+    if not rows:
+        raise ValueError(f"no timing records for {layers} layers; have {sorted({r['layers'] for r in records})}")
+    contexts = sorted({r["context"] for r in rows})
+    ms = {(r["path"], r["context"]): r["ms"] for r in rows}
+    floor = [ms.get(("gemm_floor", n)) for n in contexts]
+    xs = [_tokens_label(n) for n in contexts]
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("median time (ms)", "time / GEMM floor"), horizontal_spacing=0.1)
+    for path, (label, colour) in CONTEXT_KV_PATH_STYLE.items():
+        ys = [ms.get((path, n)) for n in contexts]
+        if all(y is None for y in ys):
+            continue
+        ratio = [y / f if y and f else None for y, f in zip(ys, floor)]
+        if path == "gemm_floor":
+            fig.add_trace(go.Scatter(x=xs, y=ys, name=label, mode="lines+markers", line=dict(color=colour, dash="dash"),
+                                     hovertemplate="N = %{x}: %{y:.3f} ms<extra>GEMM floor</extra>"), 1, 1)
+            continue
+        opacity = 1.0 if highlight in (None, path) else 0.25
+        hover = "N = %{x}: %{customdata[0]:.3f} ms, %{customdata[1]:.2f}× the floor<extra>" + label + "</extra>"
+        custom = [[y, r] for y, r in zip(ys, ratio)]
+        fig.add_trace(go.Bar(x=xs, y=ys, name=label, legendgroup=path, marker_color=colour, opacity=opacity,
+                             customdata=custom, hovertemplate=hover), 1, 1)
+        fig.add_trace(go.Bar(x=xs, y=ratio, name=label, legendgroup=path, marker_color=colour, opacity=opacity,
+                             showlegend=False, customdata=custom, hovertemplate=hover), 1, 2)
+    fig.add_hline(y=1, line=dict(color="black", dash="dash"), row=1, col=2)
+    fig.update_layout(
+        title=title or f"Context K/V precompute, {layers} drafter layers · {rows[0].get('device', '?')}",
+        barmode="group", height=430, legend=dict(orientation="h", y=-0.22), margin=dict(l=10, r=10, t=80, b=10),
+    )
+    fig.update_yaxes(type="log", title_text="ms", row=1, col=1)
+    fig.update_yaxes(type="log", title_text="× floor", row=1, col=2)
+    fig.update_xaxes(title_text="context tokens N")
+    return fig
+
+
+def window_acceptance_figure(stats_by_window: dict, *, title: str | None = None) -> go.Figure:
+    """Mean acceptance length against the drafter's attention window.
+
+    ``stats_by_window`` maps a window (int) or None (full attention) to
+    SpecDecodeStats; full attention is drawn as a dashed line.
+    """
+    windows = sorted(w for w in stats_by_window if w is not None)
+    fig = go.Figure(go.Scatter(
+        x=windows, y=[stats_by_window[w].mean_acceptance_length for w in windows], mode="lines+markers",
+        name="sliding window", line=dict(color=PALETTE["orange"]),
+        customdata=[[stats_by_window[w].num_drafts, (stats_by_window[w].per_position_acceptance_rate or [0])[0]]
+                    for w in windows],
+        hovertemplate="window %{x}: τ = %{y:.3f}<br>%{customdata[0]} drafts, first draft kept %{customdata[1]:.2f}"
+                      "<extra></extra>",
+    ))
+    if None in stats_by_window:
+        full = stats_by_window[None]
+        fig.add_hline(y=full.mean_acceptance_length, line=dict(color=PALETTE["blue"], dash="dash"),
+                      annotation_text=f"full attention: {_tau(full)}", annotation_position="bottom right")
+    fig.update_layout(
+        title=title or "Acceptance with the drafter's attention limited to a window",
+        xaxis=dict(title="window (tokens a block query may look back)", type="log", tickvals=windows),
+        yaxis=dict(title="mean acceptance length τ", rangemode="tozero"),
+        height=360, margin=dict(l=10, r=10, t=60, b=10), showlegend=False,
+    )
+    return fig

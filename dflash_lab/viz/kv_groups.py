@@ -1,0 +1,151 @@
+"""Chapter 4: hybrid KV-cache groups, as a layer grid and as memory per group."""
+
+from __future__ import annotations
+
+import textwrap
+
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from dflash_lab.viz.common import PALETTE
+
+# One colour per vLLM spec kind (KVCacheSpecKind values).
+KV_KIND_COLORS = {
+    "full_attention": PALETTE["blue"],
+    "sliding_window": PALETTE["sky"],
+    "mamba": PALETTE["green"],
+    "mla_attention": PALETTE["purple"],
+    "sliding_window_mla": PALETTE["orange"],
+}
+
+
+def _kib(n: float | None) -> str:
+    if n is None:
+        return "-"
+    text = f"{n / 1024:,.1f} KiB" if n < 1 << 20 else f"{n / (1 << 20):,.2f} MiB"
+    return text.replace(" ", "\u00a0")  # a table cell must not wrap "8.0 / KiB"
+
+
+def wrapped_title(text: str, *, width: int = 90) -> tuple[str, int]:
+    """``text`` broken into lines of at most ``width`` characters (plotly never wraps a
+    title, it clips it), and the number of lines; existing ``<br>`` breaks are kept."""
+    lines = [line for part in text.split("<br>") for line in (textwrap.wrap(part, width) or [""])]
+    return "<br>".join(lines), len(lines)
+
+
+MISSING_LABEL = "✗ in no group"
+
+
+def kv_group_layout_figure(rows, *, title: str | None = None, warning: str | None = None,
+                           missing=()) -> go.Figure:
+    """KV-cache groups as a grid: one row per group, one cell per layer.
+
+    ``rows`` are ``kv_layout.describe_groups`` rows (index, kind, kv_block_size,
+    page_size_bytes, is_draft_group, layers with name/short_name/kind/is_draft/
+    page_size_bytes). Cells are coloured by spec kind; a layer carrying the draft
+    marker gets a thick black outline; the drafter's group is shaded red and
+    labelled DRAFT; hovering a cell shows the layer's full name. ``missing`` cells
+    (``kv_layout.ungrouped_layers``: layers no group holds) get a last row of their own,
+    crossed out in red.
+    """
+    labels = [
+        f"g{r.index} · {r.kv_block_size} tok/block · {_kib(r.page_size_bytes)}/page" + ("  ⚑ DRAFT" if r.is_draft_group else "")
+        for r in rows
+    ]
+    cells: dict[str, dict[str, list]] = {}
+    for label, row in zip(labels, rows):
+        for pos, cell in enumerate(row.layers):
+            c = cells.setdefault(cell.kind, {k: [] for k in ("y", "base", "text", "hover", "line")})
+            c["y"].append(label)
+            c["base"].append(pos)
+            c["text"].append(cell.short_name)
+            c["hover"].append(
+                f"{cell.name}<br>{cell.kind} · {_kib(cell.page_size_bytes)}/page"
+                + ("<br><b>draft marker (is_draft)</b>" if cell.is_draft else "")
+            )
+            c["line"].append(4 if cell.is_draft else 0.5)
+    fig = go.Figure()
+    for kind, c in cells.items():
+        fig.add_trace(go.Bar(
+            orientation="h", y=c["y"], x=[0.94] * len(c["y"]), base=c["base"], name=kind,
+            marker=dict(color=KV_KIND_COLORS.get(kind, PALETTE["grey"]), line=dict(color="black", width=c["line"])),
+            text=c["text"], textposition="inside", insidetextanchor="middle",
+            hovertext=c["hover"], hoverinfo="text",
+        ))
+    if missing:
+        labels.append(MISSING_LABEL)
+        fig.add_trace(go.Bar(
+            orientation="h", y=[MISSING_LABEL] * len(missing), x=[0.94] * len(missing), base=list(range(len(missing))),
+            name="in no group (dropped)", text=[c.short_name for c in missing], textposition="inside",
+            insidetextanchor="middle", hoverinfo="text",
+            hovertext=[f"{c.name}<br>{c.kind}: held by no group" for c in missing],
+            marker=dict(color=[KV_KIND_COLORS.get(c.kind, PALETTE["grey"]) for c in missing],
+                        pattern=dict(shape="x", fgcolor=PALETTE["red"], size=8, solidity=0.4),
+                        line=dict(color=PALETTE["red"], width=3)),
+        ))
+    for i, row in enumerate(rows):
+        if row.is_draft_group:  # shade the drafter's row behind its cells
+            fig.add_shape(type="rect", xref="paper", x0=0, x1=1, yref="y", y0=i - 0.5, y1=i + 0.5,
+                          fillcolor=PALETTE["red"], opacity=0.15, line_width=0, layer="below")
+    widest = max((len(r.layers) for r in rows), default=1)
+    widest = max(widest, len(missing))
+    heading, n_lines = wrapped_title(title or "KV-cache groups")
+    if warning:
+        text, extra = wrapped_title(f"⚠ {warning}", width=110)
+        heading += "".join(f"<br><span style='font-size:12px;color:{PALETTE['red']}'>{line}</span>"
+                           for line in text.split("<br>"))
+        n_lines += extra
+    top = 30 + 22 * n_lines  # room for every title line
+    fig.update_layout(
+        title=dict(text=heading, x=0, xanchor="left", y=1, yanchor="top", pad=dict(t=12, l=10)),
+        barmode="overlay", bargap=0.25, height=110 + top + 42 * max(len(labels), 1),
+        xaxis=dict(title="position in the group", range=[-0.1, widest + 0.1], dtick=1, showgrid=False),
+        yaxis=dict(categoryorder="array", categoryarray=labels, autorange="reversed", automargin=True),
+        legend=dict(title="spec kind"), margin=dict(l=10, r=10, t=top + 10, b=10),
+    )
+    return fig
+
+
+def kv_group_memory_figure(memory, *, title: str | None = None) -> go.Figure:
+    """Per-group memory (``kv_layout.group_memory`` rows): a table, and under it each
+    group's share of one pool block (used by its layers, left empty) as stacked bars."""
+    header = ["group", "kind", "layers", "draft", "tokens/block", "page", "bytes/block",
+              "unused of pool block", "bytes/token", "blocks", "tokens held"]
+    columns = [
+        [f"g{m.group}" for m in memory],
+        [m.kind for m in memory],
+        [m.num_layers for m in memory],
+        ["⚑" if m.is_draft_group else "" for m in memory],
+        [m.kv_block_size for m in memory],
+        [_kib(m.page_size_bytes) for m in memory],
+        [_kib(m.bytes_per_block) for m in memory],
+        [f"{_kib(m.unused_bytes_per_block)}\u00a0of\u00a0{_kib(m.pool_bytes_per_block)}" for m in memory],
+        ["state" if m.bytes_per_token is None else f"{m.bytes_per_token:,.0f}\u00a0B" for m in memory],
+        [f"{m.num_blocks:,}" for m in memory],
+        ["state" if m.tokens is None else f"{m.tokens:,}" for m in memory],
+    ]
+    fill = [[("#fbe3d6" if m.is_draft_group else "white") for m in memory]] * len(header)
+    table_height = 60 + 26 * max(len(memory), 1)  # header (two lines) + one line per group
+    bars_height = 60 + 28 * max(len(memory), 1)
+    fig = make_subplots(rows=2, cols=1, specs=[[{"type": "table"}], [{"type": "xy"}]],
+                        row_heights=[table_height, bars_height], vertical_spacing=0.06)
+    fig.add_trace(go.Table(
+        header=dict(values=header, fill_color=PALETTE["grey"], font=dict(color="white"), height=36),
+        cells=dict(values=columns, fill_color=fill, height=24),
+        columnwidth=[0.8, 2.4, 0.9, 0.7, 1.4, 1.3, 1.3, 2.6, 1.3, 1.1, 1.9],
+    ), row=1, col=1)
+    groups = [f"g{m.group}" + (" ⚑" if m.is_draft_group else "") for m in memory]
+    for name, values, color in [
+        ("used by the group's layers", [m.bytes_per_block / 1024 for m in memory], PALETTE["blue"]),
+        ("left empty (pool block is wider)", [m.unused_bytes_per_block / 1024 for m in memory], PALETTE["grey"]),
+    ]:
+        fig.add_trace(go.Bar(orientation="h", y=groups, x=values, name=name, marker_color=color,
+                             hovertemplate="%{y}: %{x:,.1f} KiB<extra>" + name + "</extra>"), row=2, col=1)
+    fig.update_xaxes(title_text="KiB of one pool block: used by the group (blue), left empty (grey)", row=2, col=1)
+    fig.update_yaxes(autorange="reversed", row=2, col=1)
+    heading, n_lines = wrapped_title(title or "Memory per KV-cache group")
+    fig.update_yaxes(automargin=True, row=2, col=1)
+    fig.update_layout(title=dict(text=heading, x=0, xanchor="left"), barmode="stack", showlegend=False,
+                      height=70 + 22 * n_lines + table_height + bars_height,
+                      margin=dict(l=10, r=10, t=30 + 22 * n_lines, b=10))
+    return fig

@@ -1,0 +1,28 @@
+"""Controls for the lab: ipywidgets wired to the figure functions in ``dflash_lab.viz``.
+
+Widgets hold no logic of their own: each control re-runs a package function
+and hands the result to a viz function. One module per chapter:
+
+    common      the dtypes offered and redrawing a FigureWidget in place
+    drafter     chapter 1: drafter_config_explorer
+    context_kv  chapter 2: context_kv_path_explorer, sliding_window_explorer
+    acceptance  chapter 3: acceptance_explorer
+    kv_groups   chapter 4: kv_groups_explorer
+    kernels     chapter 5: fused_kernel_explorer, window_acceptance_explorer
+"""
+
+from dflash_lab.widgets.common import CONTEXT_KV_DTYPES
+from dflash_lab.widgets.drafter import drafter_config_explorer
+from dflash_lab.widgets.context_kv import context_kv_path_explorer, sliding_window_explorer
+from dflash_lab.widgets.acceptance import acceptance_explorer
+from dflash_lab.widgets.kv_groups import kv_groups_explorer
+from dflash_lab.widgets.kernels import fused_kernel_explorer, window_acceptance_explorer
+
+__all__ = [
+    "CONTEXT_KV_DTYPES",
+    "drafter_config_explorer",
+    "context_kv_path_explorer", "sliding_window_explorer",
+    "acceptance_explorer",
+    "kv_groups_explorer",
+    "fused_kernel_explorer", "window_acceptance_explorer",
+]
