@@ -502,10 +502,23 @@ def test_explorer_never_shows_a_hybrid_manager_state_it_did_not_apply():
         assert c.hybrid_off.disabled and c.hybrid_off.value is False
         assert "hybrid manager disabled" not in layout_fig.layout.title.text
         assert "cannot disable the hybrid manager" in c.status.value
-        c.hybrid_off.value = True  # a disabled box ticked by code is put back
-        assert c.hybrid_off.value is False or "hybrid manager disabled" in layout_fig.layout.title.text
+        c.hybrid_off.value = True  # ticked by code anyway: put back, and the figure says nothing of it
+        assert c.hybrid_off.value is False and "hybrid manager disabled" not in layout_fig.layout.title.text
     c.preset.value = "laguna_s21_dflash"
     assert not c.hybrid_off.disabled
+
+
+def test_explorer_clears_a_stale_draft_shading_in_the_browser():
+    # A layout assignment reaches plotly.js as a relayout, which keeps shapes the new layout
+    # lacks; the explorer must send an explicit clear when the draft group goes away.
+    c, layout_fig, _ = _explorer()
+    assert len(layout_fig.layout.shapes) == 1  # the lab flags the XS.2 DFlash group
+    sent = []
+    original = layout_fig._send_relayout_msg
+    layout_fig._send_relayout_msg = lambda data, *a, **k: (sent.append(data), original(data, *a, **k))[1]
+    c.flagger.value = "engine"  # vLLM 0.33 flags nothing for DFlash
+    assert len(layout_fig.layout.shapes) == 0
+    assert any(d.get("shapes") == [] for d in sent)
 
 
 def test_explorer_runs_what_the_marker_and_flagger_controls_say():
@@ -612,6 +625,194 @@ def test_load_config_names_the_file(tmp_path):
         kv_presets.load_config(tmp_path)
     with pytest.raises(FileNotFoundError, match="nope.json"):
         kv_presets.load_config(tmp_path / "nope.json")
+
+
+# ---------------------------------------------------------------------------
+# What chapter 4 says about vLLM 0.33 itself (FIDELITY §6, §9 items 1-6)
+# ---------------------------------------------------------------------------
+
+
+def _vllm_source(module: str) -> str:
+    import importlib.util
+    from pathlib import Path
+
+    return Path(importlib.util.find_spec(module).origin).read_text()
+
+
+def test_vllm_033_marks_every_drafter_attention_layer_mtp_included():
+    """§9.1: the proposer marks each attention layer the drafter added (no method test),
+    and the runner copies the mark into the spec."""
+    proposer = _vllm_source("vllm.v1.spec_decode.llm_base_proposer")
+    assert "draft_attn_layer_names = set(all_attn_layers) - target_attn_layer_names" in proposer
+    assert "all_attn_layers[name].is_draft_layer = True" in proposer
+    runner = _vllm_source("vllm.v1.worker.gpu_model_runner")
+    assert "if attn_module.is_draft_layer:\n                    spec = replace(spec, is_draft=True)" in runner
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("build", [kv_specs.qwen3_5_hybrid_specs, kv_specs.deepseek_v4_specs])
+def test_the_marker_never_compares_so_marked_and_unmarked_specs_group_alike(build, layout):
+    """§9.1: ``is_draft`` has compare=False (kv_cache_interface.py:215); the lab's unmarked
+    MTP dict is #55390's test premise, the marked one 0.33's runtime; both group the same."""
+    import dataclasses
+
+    unmarked, marked = build(), build(mark_draft=True)
+    draft = {n for n, s in marked.items() if s.is_draft}
+    assert draft and not any(s.is_draft for s in unmarked.values())
+    assert next(f for f in dataclasses.fields(FullAttentionSpec) if f.name == "is_draft").compare is False
+    assert all(marked[n] == unmarked[n] for n in draft)
+    names = lambda specs: [g.layer_names for g in kv.vllm_kv_cache_groups(specs, layout=layout)]  # noqa: E731
+    assert names(marked) == names(unmarked)
+
+
+def test_needs_eagle_block_drop_is_vllms_predicate():
+    """§9.2: False for dflash and dspark in 0.33 (config/speculative.py:2122-2149), read from
+    vLLM's own SpeculativeConfig methods; and the scheduler's lookahead-hash rule."""
+    from vllm.config import SpeculativeConfig
+
+    source = _vllm_source("vllm.config.speculative")
+    assert "return self.use_eagle() and not (self.use_dflash() or self.use_dspark())" in source
+    stub_cls = type(kv.speculative_config_stub("eagle"))
+    assert stub_cls.needs_eagle_block_drop is SpeculativeConfig.needs_eagle_block_drop
+    for method in (*kv.SPEC_METHODS, None):
+        assert kv.needs_eagle_block_drop(method) is (method in ("eagle", "eagle3", "mtp")), method
+    for method in kv.EAGLE_METHODS:
+        default, no_hashes = kv_engine.block_drop(method), kv_engine.block_drop(method, disable_lookahead_block_hashes=True)
+        assert default.use_eagle and not default.drops_last_block  # lookahead hashes replace the drop by default
+        assert default.num_hash_lookahead_tokens == (1 if default.needs_eagle_block_drop else 0)
+        assert no_hashes.drops_last_block is kv.needs_eagle_block_drop(method)
+    scheduler = _vllm_source("vllm.v1.core.sched.scheduler")
+    assert "if self.num_hash_lookahead_tokens:\n            # Lookahead hashes prove the boundary token, so EAGLE needs no drop.\n" \
+           "            self.use_eagle_block_drop = False" in scheduler
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_the_seed_on_033_flags_no_dflash_or_dspark_group(layout):
+    """§9.2: #55390's annotator returns unless use_eagle_block_drop(); flagging a DFlash group
+    is the lab's extension (flag_without_block_drop, on by default)."""
+    xs2 = kv_presets.preset_specs("laguna_xs2_dflash")
+    assert flagged(kv.kv_cache_groups(xs2, method="dflash", model_type="laguna", layout=layout,
+                                      flag_without_block_drop=False)) == []
+    assert len(flagged(kv.kv_cache_groups(xs2, method="dflash", model_type="laguna", layout=layout))) == 1
+    dsv4 = kv_specs.deepseek_v4_specs()
+    for method in ("dflash", "dspark"):
+        assert flagged(kv.kv_cache_groups(dsv4, method=method, model_type="deepseek_v4", layout=layout,
+                                          flag_without_block_drop=False)) == []
+    for method in ("eagle", "eagle3", "mtp"):
+        (draft,) = flagged(kv.kv_cache_groups(dsv4, method=method, model_type="deepseek_v4", layout=layout,
+                                              flag_without_block_drop=False))
+        assert DSV4_DRAFT_LAYER in draft.layer_names
+
+
+def test_vllm_033_engine_annotation():
+    """§9.1-9.3, run through vLLM's own get_global_kv_cache_groups: nothing for DFlash (no drop),
+    nothing plus vLLM's warning for the unmarked MTP dict, the marked group at runtime."""
+    xs2 = kv_presets.preset_specs("laguna_xs2_dflash")
+    groups, warnings = kv_engine.engine_kv_cache_groups(xs2, method="dflash")
+    assert flagged(groups) == [] and warnings == []
+
+    groups, warnings = kv_engine.engine_kv_cache_groups(kv_specs.qwen3_5_hybrid_specs(), method="mtp")
+    assert flagged(groups) == []
+    assert len(warnings) == 1 and "no KV cache group could be identified as the draft model's" in warnings[0]
+
+    for layout in LAYOUTS:
+        groups, warnings = kv_engine.engine_kv_cache_groups(kv_specs.qwen3_5_hybrid_specs(mark_draft=True),
+                                                            method="mtp", layout=layout)
+        (draft,) = flagged(groups)
+        assert MTP_LAYER in draft.layer_names and not holds_mamba(draft) and warnings == []
+
+        # DeepSeek V4: the draft layer's two caches land in two groups; the marker finds both.
+        dsv4 = kv_specs.deepseek_v4_specs(mark_draft=True)
+        groups, _ = kv_engine.engine_kv_cache_groups(dsv4, method="mtp", layout=layout)
+        assert {n for g in flagged(groups) for n in g.layer_names} >= {DSV4_DRAFT_LAYER, "model.layers.3.self_attn.swa_attn"}
+        assert len(flagged(groups)) == 2
+
+    groups, _ = kv_engine.engine_kv_cache_groups(kv_specs.laguna_dflash_specs(), method=None)
+    assert flagged(groups) == []
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_trailing_layer_rule_misses_the_draft_layers_other_cache_on_the_packed_path(layout):
+    """The missed flag chapter 4 points at: rule 2 finds only the group of the very last layer."""
+    groups = kv.kv_cache_groups(kv_specs.deepseek_v4_specs(), method="mtp", model_type="deepseek_v4", layout=layout)
+    (draft,) = flagged(groups)
+    assert DSV4_DRAFT_LAYER in draft.layer_names
+    assert "model.layers.3.self_attn.swa_attn" not in draft.layer_names
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize(("preset", "group_size", "target_full", "drafter"),
+                         [("laguna_xs2_dflash", 15, 10, 5), ("laguna_s21_dflash", 18, 12, 6)])
+def test_real_laguna_pairs_form_three_equal_groups(preset, group_size, target_full, drafter, layout):
+    """§9.5: XS.2 + 5-layer drafter gives three groups of 15, S-2.1 + 6 three of 18
+    (kv_cache_planning.py:522-532); "two groups" holds for the toy's 4 + 5 only."""
+    specs = kv_presets.preset_specs(preset)
+    groups = kv.kv_cache_groups(specs, method="dflash", model_type="laguna", layout=layout)
+    assert [len(g.layer_names) for g in groups] == [group_size] * 3
+    (draft,) = flagged(groups)
+    markers = [specs[n].is_draft for n in draft.layer_names]
+    assert (markers.count(False), markers.count(True)) == (target_full, drafter)
+    assert all(type(specs[n]) is FullAttentionSpec for n in draft.layer_names)
+    others = [g for g in groups if not g.is_eagle_group]
+    assert all(isinstance(g.kv_cache_spec, SlidingWindowSpec) for g in others)
+    assert sorted(len(g.layer_names) for g in kv.vllm_kv_cache_groups(kv_presets.preset_specs("laguna_dflash"))) == [4, 5]
+
+
+def test_vllm_033_registers_dflash_layers_after_the_target_with_a_full_kv_cache():
+    """What the chapter says of DFlashLagunaModel: attention prefix layers.{j + target count},
+    and sliding layers keep a full KV allocation (the window limits compute only)."""
+    source = _vllm_source("vllm.model_executor.models.laguna_dflash")
+    assert 'prefix, f"layers.{layer_idx + target_layer_count}"' in source
+    assert "layer.self_attn.attn.sliding_window = None" in source
+
+
+def test_poolside_pairs_use_the_published_attention_geometry():
+    specs = kv_presets.preset_specs("laguna_s21_dflash")
+    assert len(specs) == 48 + 6
+    assert [n for n, s in specs.items() if s.is_draft] == [f"model.layers.{48 + j}.self_attn.attn" for j in range(6)]
+    assert {(s.num_kv_heads, s.head_size) for s in specs.values()} == {(8, 128)}
+    assert {s.sliding_window for s in specs.values() if isinstance(s, SlidingWindowSpec)} == {512}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_vllm_asserts_an_exact_partition_before_any_annotation(layout):
+    """§9.6: every grouping passes get_kv_cache_groups_from_builder's _check_exact_partition
+    (kv_cache_planning.py:1203-1230); #55390 re-checks it as a gate on rule 2."""
+    specs = kv_specs.qwen3_5_hybrid_specs()
+    groups = kv.vllm_kv_cache_groups(specs, layout=layout)
+    assert kv_engine.partition_check(specs, groups) is None
+    dropped = _regroup(groups, lambda names: [n for n in names if n != "model.layers.0.linear_attn"])
+    assert kv_engine.partition_check(specs, dropped) == "KV cache groups miss layers: ['model.layers.0.linear_attn']."
+    first = groups[0].layer_names[0]
+    twice = _regroup(groups, lambda names: names if first in names else names + [first])
+    assert kv_engine.partition_check(specs, twice).startswith("KV cache group overlaps")
+    # A name the spec lacks passes vLLM's check but not #55390's gate.
+    extra = _regroup(groups, lambda names: names + (["mtp.layers.9.self_attn.attn"] if MTP_LAYER in names else []))
+    assert kv_engine.partition_check(specs, extra) is None
+    assert not kv.groups_partition_layers_exactly(specs, extra)
+
+
+def test_case_5_figure_marks_the_dropped_layer():
+    specs = kv_specs.qwen3_5_hybrid_specs()
+    groups = _regroup(kv.vllm_kv_cache_groups(specs), lambda names: [n for n in names if n != "model.layers.0.linear_attn"])
+    (missing,) = kv_layout.ungrouped_layers(groups, specs)
+    assert missing.name == "model.layers.0.linear_attn" and missing.kind == "mamba"
+    fig = viz.kv_group_layout_figure(kv_layout.describe_groups(groups, specs), missing=[missing])
+    (row,) = [t for t in fig.data if t.name == "in no group (dropped)"]
+    assert list(row.text) == ["L0:gdn"] and row.marker.pattern.shape == "x"
+    from dflash_lab.viz.kv_groups import MISSING_LABEL
+
+    assert fig.layout.yaxis.categoryarray[-1] == MISSING_LABEL
+
+
+def test_figure_titles_are_wrapped_not_clipped():
+    title = "Case 1 · mtp on deepseek_v4, packed, unmarked: only the group holding the last layer " * 2
+    specs = kv_specs.deepseek_v4_specs()
+    fig = viz.kv_group_layout_figure(kv_layout.describe_groups(kv.vllm_kv_cache_groups(specs), specs), title=title,
+                                     warning="w " * 100)
+    lines = [line for line in fig.layout.title.text.split("<br>")]
+    assert len(lines) >= 3 and all(len(line) <= 80 for line in lines if "<span" not in line)
+    assert fig.layout.margin.t >= 22 * len(lines)
 
 
 # ---------------------------------------------------------------------------

@@ -174,6 +174,7 @@ class FastDecoder:
         if T + max_new_tokens > self.capacity:
             raise ValueError(f"prompt ({T}) + max_new_tokens ({max_new_tokens}) exceeds the decoder's capacity {self.capacity}")
         self._reset()
+        self.host_steps = 0  # batch steps of this generation
         ids = torch.zeros((self.batch, T), dtype=torch.long, device=self.device)  # right-padded; pads are never seen
         for b, p in enumerate(prompts):
             ids[b, :lengths[b]] = p.reshape(-1)
@@ -205,6 +206,7 @@ class FastDecoder:
                 return
             for _ in range(max(1, math.ceil(remaining / self.B))):
                 self.step()
+                self.host_steps += 1
 
     def _run_prompt_lookup(self, prompts, max_new_tokens: int, stop: set) -> None:
         """Host-driven: draft from each sequence's tokens, verify on the device, read back, repeat."""
@@ -226,6 +228,7 @@ class FastDecoder:
             self.drafts.copy_(host_drafts, non_blocking=True)
             self.n_draft.copy_(host_n, non_blocking=True)
             (self.step if bool(host_n.any()) else self.step_plain)()
+            self.host_steps += 1
             back = torch.cat([self.argmax, self.pos[:, None], self.active[:, None].long()], 1).tolist()
             for b, s in enumerate(seqs):
                 if live[b]:

@@ -51,6 +51,9 @@ class SpecDecodeStep:
     draft_ids: list[int]  # d_1 .. d_K (empty for the prefill, or when prompt lookup found nothing)
     num_accepted: int  # drafts kept
     token_ids: list[int]  # emitted: draft_ids[:num_accepted] + [target token], cut at a stop
+    # For a step-through (viz.step_through): what went in and what the target preferred.
+    block_ids: list[int] = field(default_factory=list)  # the drafter's input [x_t, MASK x K] (DFlash only)
+    target_argmax: list[int] = field(default_factory=list)  # target's top token after x_t, d_1 .. d_K (K+1)
 
 
 @dataclass
@@ -321,7 +324,8 @@ def speculative_generate(target, drafter, input_ids, *, max_new_tokens: int, blo
         extend_context(aux)  # positions 0 .. T-1
     first = int(logits[-1].argmax()) if greedy else int(sample(to_probs(logits[-1]), generator))
     kept, done = emit([first])
-    steps.append(SpecDecodeStep(position=T, draft_ids=[], num_accepted=0, token_ids=kept))
+    steps.append(SpecDecodeStep(position=T, draft_ids=[], num_accepted=0, token_ids=kept,
+                                target_argmax=[int(logits[-1].argmax())]))
 
     while not done:
         t = len(tokens) - 1  # position of x_t, the newest token; the target's cache holds 0 .. t-1
@@ -345,7 +349,10 @@ def speculative_generate(target, drafter, input_ids, *, max_new_tokens: int, blo
             stats.observe_draft(num_draft, n)
         draft_ids = draft.tolist()
         kept, done = emit(draft_ids[:n] + [next_token])
-        steps.append(SpecDecodeStep(position=t + 1, draft_ids=draft_ids, num_accepted=n, token_ids=kept))
+        steps.append(SpecDecodeStep(
+            position=t + 1, draft_ids=draft_ids, num_accepted=n, token_ids=kept,
+            block_ids=[tokens[t]] + [drafter.config.mask_token_id] * num_draft if is_dflash else [],
+            target_argmax=logits.argmax(-1).tolist()))
 
         # 4. Keep what was accepted: x_t and d_1 .. d_n are now part of the sequence.
         crop_cache(cache, t + n + 1)

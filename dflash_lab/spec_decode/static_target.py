@@ -45,14 +45,33 @@ def _grouped_mm():
     return getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
 
+_GROUPED_OK: dict = {}
+
+
+def _grouped_mm_runs(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether torch's grouped GEMM runs here (checked once per device and dtype on a tiny problem)."""
+    key = (str(device), dtype)
+    if key not in _GROUPED_OK:
+        gmm = _grouped_mm()
+        try:
+            a = torch.ones(32, 16, device=device, dtype=dtype)
+            w = torch.ones(2, 32, 16, device=device, dtype=dtype).transpose(1, 2)
+            out = gmm(a, w, offs=torch.tensor([16, 32], device=device, dtype=torch.int32))
+            _GROUPED_OK[key] = bool(gmm is not None and out.shape == (32, 32) and float(out[0, 0]) == 16.0)
+        except Exception:  # no kernel for this device/dtype: the dense path runs instead
+            _GROUPED_OK[key] = False
+    return _GROUPED_OK[key]
+
+
 def resolve_moe(moe: str, device: torch.device, dtype: torch.dtype) -> str:
-    """"auto": grouped GEMMs where torch has a CUDA bf16 kernel for them, else dense."""
+    """"auto": grouped GEMMs in bf16 on CUDA where torch's kernel runs, else dense."""
     if moe not in MOE_IMPLEMENTATIONS:
         raise ValueError(f"moe must be one of {MOE_IMPLEMENTATIONS}, got {moe!r}")
     if moe == "grouped" and _grouped_mm() is None:
         raise RuntimeError("moe='grouped' needs torch.nn.functional.grouped_mm (torch >= 2.10)")
     if moe == "auto":
-        return "grouped" if device.type == "cuda" and dtype == torch.bfloat16 and _grouped_mm() is not None else "dense"
+        usable = device.type == "cuda" and dtype == torch.bfloat16 and _grouped_mm() is not None
+        return "grouped" if usable and _grouped_mm_runs(device, dtype) else "dense"
     return moe
 
 

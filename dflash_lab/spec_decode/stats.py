@@ -8,8 +8,12 @@ and a production server's /metrics (``dflash_lab.metrics`` reads those into a
 
 from __future__ import annotations
 
+import csv
+import io
+import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
 
 
 @dataclass
@@ -134,6 +138,50 @@ class SpecDecodeStats:
             "mean_acceptance_length": r(self.mean_acceptance_length),
             "per_position_acceptance_rate": [r(x) for x in self.per_position_acceptance_rate],
         }
+
+    # --- export: JSON and CSV (dflash_lab.export writes several at once) -----
+    def to_dict(self) -> dict:
+        """Every counter and setting, plus the derived rates; JSON-ready (NaN -> None)."""
+        finite = lambda x: x if not isinstance(x, float) or math.isfinite(x) else None  # noqa: E731
+        return {**asdict(self),
+                "mean_acceptance_length": finite(self.mean_acceptance_length),
+                "draft_acceptance_rate": finite(self.draft_acceptance_rate),
+                "target_forwards_per_token": finite(self.target_forwards_per_token),
+                "per_position_acceptance_rate": self.per_position_acceptance_rate,
+                "conditional_acceptance_rate": [finite(x) for x in self.conditional_acceptance_rate]}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "SpecDecodeStats":
+        """The stats ``to_dict`` (or its JSON) wrote; derived keys are recomputed, not read."""
+        own = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in own})
+
+    def to_json(self, path=None) -> str:
+        """``to_dict`` as JSON text; also written to ``path`` when given."""
+        text = json.dumps(self.to_dict(), indent=2)
+        if path is not None:
+            Path(path).write_text(text + "\n")
+        return text
+
+    def csv_row(self) -> dict:
+        """One flat row: the scalar counters and rates, then one column per draft position."""
+        d = self.to_dict()
+        row = {k: v for k, v in d.items() if not isinstance(v, list)}
+        for i, (count, rate) in enumerate(zip(self.num_accepted_tokens_per_pos, self.per_position_acceptance_rate), 1):
+            row[f"accepted_through_pos_{i}"] = count
+            row[f"rate_pos_{i}"] = round(rate, 6)
+        return row
+
+    def to_csv(self, path=None) -> str:
+        """``csv_row`` as a two-line CSV (header, values); also written to ``path`` when given."""
+        row = self.csv_row()
+        buf = io.StringIO()
+        writer = csv.DictWriter(buf, fieldnames=list(row), lineterminator="\n")
+        writer.writeheader()
+        writer.writerow(row)
+        if path is not None:
+            Path(path).write_text(buf.getvalue())
+        return buf.getvalue()
 
 
 def _per_pos(a: SpecDecodeStats, b: SpecDecodeStats, sign: int) -> list[int]:

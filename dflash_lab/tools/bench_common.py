@@ -17,6 +17,7 @@ import torch
 from ..config import DFlashDrafterConfig
 from ..drafter import DFlashLagunaDrafter
 from ..runtime import atomic_file, synchronized_time, write_json
+from ..spec_decode.cuda_graphs import GraphedStep
 
 # Laguna-XS.2's attention and width (transformers' LagunaConfig defaults); a drafter shares them.
 XS2 = dict(hidden_size=2048, num_attention_heads=48, num_key_value_heads=8, head_dim=128, intermediate_size=8192)
@@ -72,6 +73,18 @@ def kernel_ms(fn, device: torch.device) -> float | None:
     except Exception as e:  # the profiler is a nicety; wall times still stand
         print("  (profiler unavailable:", type(e).__name__, e, ")")
         return None
+
+
+def graphed_ms(fn, device: torch.device, *, reps: int = 50) -> float | None:
+    """Median time of fn() captured as ONE CUDA graph and replayed (launch gaps gone); None off CUDA.
+
+    fn must be capturable (no host syncs) and must not move state that later calls
+    depend on: the same graph is replayed ``reps`` times.
+    """
+    if device.type != "cuda":
+        return None
+    step = GraphedStep(fn, enabled=True, device=device)
+    return time_ms(step, device, warmup=3, reps=reps, budget_s=0.3)
 
 
 # ---------------------------------------------------------------------------

@@ -54,7 +54,8 @@ class DistillConfig:
 
 
 @torch.no_grad()
-def build_distill_data(target, tokenizer, streams: dict, cfg: DistillConfig, *, time_budget: float | None = None):
+def build_distill_data(target, tokenizer, streams: dict, cfg: DistillConfig, *, time_budget: float | None = None,
+                       show_progress: bool = True):
     """Greedy continuations of real prefixes: {P: uint16 (n, P + continuation)} and stats.
 
     Generation runs in float32 on bf16-rounded weights, the same arithmetic as
@@ -68,7 +69,7 @@ def build_distill_data(target, tokenizer, streams: dict, cfg: DistillConfig, *, 
              for name in ("distill", "train")}
     data: dict[int, list[torch.Tensor]] = {p: [] for p in cfg.prefix_lengths}
     made = dropped = batches = 0
-    bar = progress(cfg.num_sequences, "self-distillation data")
+    bar = progress(cfg.num_sequences, "self-distillation data", disable=not show_progress)
     max_batches = 3 * math.ceil(cfg.num_sequences / cfg.gen_batch) + 2  # in case most come out degenerate
     while made < cfg.num_sequences and clock.left() > 0 and batches < max_batches:
         P = cfg.prefix_lengths[batches % len(cfg.prefix_lengths)]

@@ -25,8 +25,8 @@ from .common import (LOG_NAME, PACE_FROM, PACE_TO, Clock, ensure_experts_impleme
                      progress, run_info, write_log)
 from .distill import DistillConfig, build_distill_data, load_distill_data, load_distill_stats, save_distill_data
 from .evaluate import evaluate_acceptance, load_pair_for_eval, print_acceptance
-from .objective import (draft_logits_for, dflash_loss, position_weights, sample_anchors, sample_block_lengths,
-                        short_block_weights, target_soft_labels)
+from .objective import (TargetFeatureCache, draft_logits_for, dflash_loss, position_weights, sample_anchors,
+                        sample_block_lengths, short_block_weights, target_soft_labels)
 from .target_lm import corpus_streams
 from .tokenizer import MASK_ID
 
@@ -59,6 +59,7 @@ class DrafterTrainConfig:
     grad_clip: float = 1.0
     gamma: float = 7.0  # position-weight decay (the DFlash paper's value for block 16)
     short_block_share: float = 0.0  # share of blocks cut to a random length 2..bs-1, so smaller blocks work too
+    cache_target_features: bool = False  # run the frozen target once per sequence, not per step (small data only)
     log_every: int = 20
     seed: int = 0
 
@@ -131,6 +132,7 @@ def _train_drafter(target, data, cfg, continuation, clock, device, init, callbac
         drafter = DFlashLagunaDrafter(dcfg).to(device).train()
     layer_ids = dcfg.target_layer_ids
     groups = [(P, torch.from_numpy(v.astype(np.int32)).to(device)) for P, v in sorted(data.items())]
+    caches = [TargetFeatureCache(target, pool, layer_ids) if cfg.cache_target_features else None for _, pool in groups]
     sizes = torch.tensor([g[1].shape[0] for g in groups], dtype=torch.float)
     bs, autocast = cfg.block_size, device.type == "cuda"
     weights = position_weights(bs, cfg.gamma, device)
@@ -150,11 +152,15 @@ def _train_drafter(target, data, cfg, continuation, clock, device, init, callbac
         lr = lr_at(step, total, cfg.lr, cfg.warmup, floor=0.05)
         for g in opt.param_groups:
             g["lr"] = lr
-        P, pool = groups[int(torch.multinomial(sizes, 1, generator=gen))]
+        group = int(torch.multinomial(sizes, 1, generator=gen))
+        (P, pool), cache = groups[group], caches[group]
         rows = torch.randint(0, pool.shape[0], (cfg.batch_size,), generator=gen).to(device)
         ids = pool[rows].long()  # (B, P + continuation)
         anchors = sample_anchors(cfg.batch_size, P, P + continuation - bs, cfg.anchors_per_seq, gen).to(device)
-        aux, target_logits = target_soft_labels(target, ids, anchors, layer_ids, bs)  # (B, T, n*H), (B, A, bs-1, V)
+        if cache is None:
+            aux, target_logits = target_soft_labels(target, ids, anchors, layer_ids, bs)  # (B, T, n*H), (B, A, bs-1, V)
+        else:
+            aux, target_logits = cache.soft_labels(target, rows, anchors, bs)
         lengths, w = None, weights
         if cfg.short_block_share > 0:
             lengths = sample_block_lengths(anchors.shape, bs, cfg.short_block_share, gen).to(device)  # (B, A)

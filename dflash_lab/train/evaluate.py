@@ -106,16 +106,22 @@ class AcceptanceProbe:
     """
 
     @torch.no_grad()
-    def __init__(self, target, tokenizer, prompts: list[dict], *, max_new_tokens: int = 64, max_block_size: int = 16):
+    def __init__(self, target, prompts: list, *, max_new_tokens: int = 64, max_block_size: int = 16):
+        """prompts: token-id lists (or 1-D tensors); prompts of equal length are continued in one batch."""
         self.target, self.max_new_tokens, self.max_block_size = target, max_new_tokens, max_block_size
         device = next(target.parameters()).device
         every_layer = list(range(target.config.num_hidden_layers))
-        self.items = []  # (greedy sequence (T,), prompt length, per-layer features (L, T, H))
-        for pr in prompts:
-            ids = torch.tensor([tokenizer.encode(pr["text"], add_special_tokens=False)], device=device)
-            g = greedy_generate(target, ids, max_new_tokens + max_block_size)[0]
-            aux = target_forward(target, g[None], every_layer, use_cache=False, with_logits=False).aux_hidden[0]
-            self.items.append((g, ids.shape[1], aux.unflatten(-1, (len(every_layer), -1)).transpose(0, 1)))
+        by_length: dict[int, list[int]] = {}
+        for i, p in enumerate(prompts):
+            by_length.setdefault(len(p), []).append(i)
+        self.items = [None] * len(prompts)  # (greedy sequence (T,), prompt length, per-layer features (L, T, H))
+        for P, which in by_length.items():
+            ids = torch.stack([torch.as_tensor(prompts[i], dtype=torch.long) for i in which]).to(device)  # (n, P)
+            g = greedy_generate(target, ids, max_new_tokens + max_block_size)  # (n, T)
+            aux = target_forward(target, g, every_layer, use_cache=False, with_logits=False).aux_hidden
+            per_layer = aux.unflatten(-1, (len(every_layer), -1)).permute(0, 2, 1, 3)  # (n, L, T, H)
+            for row, i in enumerate(which):
+                self.items[i] = (g[row], P, per_layer[row])
 
     @torch.no_grad()
     def __call__(self, drafter, block_size: int | None = None) -> SpecDecodeStats:

@@ -65,8 +65,36 @@ def target_soft_labels(target, ids: torch.Tensor, anchors: torch.Tensor, layer_i
     B*A*(bs-1) hidden states instead of all B*T.
     """
     out = target_forward(target, ids, layer_ids, use_cache=False, with_logits=False)
-    labels = target.lm_head(gather_positions(out.final_hidden, label_positions(anchors, block_size)))
-    return out.aux_hidden, labels
+    return out.aux_hidden, labels_at(target, out.final_hidden, anchors, block_size)
+
+
+@torch.no_grad()
+def labels_at(target, final_hidden: torch.Tensor, anchors: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The target's logits (B, A, bs-1, V) at the label positions, from its final hidden states (B, T, H)."""
+    return target.lm_head(gather_positions(final_hidden, label_positions(anchors, block_size)))
+
+
+class TargetFeatureCache:
+    """The frozen target's features of a fixed set of sequences, computed once.
+
+    The target never changes during drafter training, so for a small data set (a
+    notebook's) its forward can run once per sequence instead of once per step:
+    the objective is the same, the step several times cheaper. (The CLI's data is
+    too large to hold this way: it runs the target every step.)
+    """
+
+    @torch.no_grad()
+    def __init__(self, target, pool: torch.Tensor, layer_ids, batch_size: int = 64):
+        aux, final = [], []
+        for i in range(0, pool.shape[0], batch_size):
+            out = target_forward(target, pool[i:i + batch_size].long(), layer_ids, use_cache=False, with_logits=False)
+            aux.append(out.aux_hidden)
+            final.append(out.final_hidden)
+        self.aux, self.final = torch.cat(aux), torch.cat(final)  # (N, T, n_aux * H), (N, T, H)
+
+    def soft_labels(self, target, rows: torch.Tensor, anchors: torch.Tensor, block_size: int):
+        """What target_soft_labels returns for pool[rows], without running the target."""
+        return self.aux[rows], labels_at(target, self.final[rows], anchors, block_size)
 
 
 # ---------------------------------------------------------------------------

@@ -1,6 +1,10 @@
-"""What every figure shares: the palette and small array/layout helpers."""
+"""What every figure shares: the palette, one colour per method, titles that fit, and saving a figure."""
 
 from __future__ import annotations
+
+import textwrap
+import warnings
+from pathlib import Path
 
 import numpy as np
 import plotly.graph_objects as go
@@ -45,3 +49,73 @@ def _side_by_side(left: go.Heatmap, right: go.Heatmap, titles, *, title: str, he
 def _tau(stats) -> str:
     """A SpecDecodeStats' mean acceptance length as a label."""
     return f"τ = {stats.mean_acceptance_length:.2f}" if stats.num_drafts else "no drafts"
+
+
+# One colour per method, the same in every chapter (the text names these colours).
+METHOD_COLORS = {
+    "DFlash": PALETTE["blue"],
+    "prompt lookup": PALETTE["orange"],
+    "vLLM server": PALETTE["purple"],
+    "plain greedy": PALETTE["grey"],
+}
+METHOD_COLOR_NAMES = {"DFlash": "blue", "prompt lookup": "orange", "vLLM server": "purple", "plain greedy": "grey"}
+_FALLBACK_COLORS = [PALETTE["green"], PALETTE["sky"], PALETTE["red"], "#555555"]
+
+
+def method_color(name: str, index: int = 0) -> str:
+    """The suite's colour for a method label: the first METHOD_COLORS key the label starts with
+    ("DFlash, block 16" is DFlash's blue; "vLLM ..." is the server's purple), else a spare colour."""
+    lowered = name.lower()
+    for method, color in METHOD_COLORS.items():
+        if lowered.startswith(method.lower()) or (method == "vLLM server" and lowered.startswith("vllm")):
+            return color
+    return _FALLBACK_COLORS[index % len(_FALLBACK_COLORS)]
+
+
+def wrap_title(text: str, *, width: int = 80) -> tuple[str, int]:
+    """``text`` broken into lines of at most ``width`` characters (plotly clips a long title
+    instead of wrapping it) and the number of lines; existing ``<br>`` breaks are kept."""
+    lines = [line for part in text.split("<br>") for line in (textwrap.wrap(part, width) or [""])]
+    return "<br>".join(lines), len(lines)
+
+
+def titled(fig: go.Figure, title: str, *, height: int, width_chars: int = 80, bottom: int = 10) -> go.Figure:
+    """Left-aligned, wrapped title with room above the plot, and the mode bar drawn vertically at
+    the right edge so that it never covers the title."""
+    text, lines = wrap_title(title, width=width_chars)
+    top = 28 + 20 * lines
+    fig.update_layout(title=dict(text=text, x=0, xanchor="left", y=1, yanchor="top", pad=dict(t=10, l=8)),
+                      height=height + 20 * (lines - 1), margin=dict(l=10, r=40, t=top + 10, b=bottom),
+                      modebar=dict(orientation="v"))
+    return fig
+
+
+def save_figure(fig, path, *, width: int | None = None, height: int | None = None) -> Path:
+    """Save a plotly figure (or FigureWidget) by the file's suffix, in one call.
+
+    ``.html``: a standalone page with plotly.js inlined (opens offline); ``.json``: plotly's
+    JSON; ``.svg`` / ``.pdf`` / ``.png``: drawn by kaleido (which drives the Chromium that
+    ``make browser`` installs). Without kaleido an image suffix writes ``.html`` next to it
+    instead and warns. Returns the path written.
+    """
+    path = Path(path)
+    fig = go.Figure(fig)  # a FigureWidget's current state, as a plain figure
+    suffix = path.suffix.lower()
+    if suffix in (".htm", ".html"):
+        fig.write_html(path, include_plotlyjs=True, full_html=True)  # inlined: no CDN
+        return path
+    if suffix == ".json":
+        fig.write_json(path)
+        return path
+    if suffix not in (".svg", ".pdf", ".png"):
+        raise ValueError(f"save_figure: path must end in .html, .json, .svg, .pdf or .png, got {path.name!r}")
+    try:
+        import kaleido  # noqa: F401  (optional: draws static images)
+    except ImportError:
+        fallback = path.with_suffix(".html")
+        warnings.warn(f"save_figure: kaleido is not installed, so {path.name} cannot be drawn; wrote "
+                      f"{fallback.name} instead (pip install kaleido for SVG/PDF/PNG)", stacklevel=2)
+        fig.write_html(fallback, include_plotlyjs=True, full_html=True)
+        return fallback
+    fig.write_image(path, width=width, height=height)
+    return path

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import html
+
 import numpy as np
 import plotly.graph_objects as go
-from plotly.subplots import make_subplots
 
-from dflash_lab.viz.common import PALETTE, _array
+from dflash_lab.viz.common import PALETTE, _array, titled
 
 
 def visibility_mask_figure(mask, *, query_positions, key_positions, context_len: int,
@@ -31,12 +32,9 @@ def visibility_mask_figure(mask, *, query_positions, key_positions, context_len:
         hovertemplate="%{y} → key position %{x}<extra></extra>",
     ))
     fig.add_vline(x=context_len - 0.5, line=dict(color="black", dash="dot"))
-    fig.update_layout(
-        title=title or "Which keys each block query sees", height=160 + 26 * len(ys),
-        xaxis=dict(title="key position (context | block)", type="category"),
-        yaxis=dict(autorange="reversed", type="category"), margin=dict(l=10, r=10, t=60, b=10),
-    )
-    return fig
+    fig.update_layout(xaxis=dict(title="key position (context | block)", type="category"),
+                      yaxis=dict(autorange="reversed", type="category", automargin=True))
+    return titled(fig, title or "Which keys each block query sees", height=160 + 26 * len(ys))
 
 
 # Where a drafter tensor belongs, by its vLLM checkpoint name (first match wins).
@@ -50,36 +48,82 @@ PARAMETER_GROUPS = [
 ]
 
 
-def parameter_table_figure(rows, *, title: str | None = None) -> go.Figure:
-    """``rows`` of (name, shape, count): a table with a total line, and under it
-    the parameter count per kind of tensor (attention, MLP, fc, norms) as bars."""
-    rows = list(rows)
+def _group_counts(rows) -> tuple[dict[str, int], int]:
     total = sum(int(r[2]) for r in rows)
     by_group: dict[str, int] = {}
     for name, _, count in rows:
         group = next(label for key, label in PARAMETER_GROUPS if key in name)
         by_group[group] = by_group.get(group, 0) + int(count)
-    by_group = {label: by_group[label] for _, label in PARAMETER_GROUPS if label in by_group}
-    table_height = 40 + 24 * (len(rows) + 1)
-    bars_height = 60 + 30 * len(by_group)
-    fig = make_subplots(rows=2, cols=1, specs=[[{"type": "table"}], [{"type": "xy"}]],
-                        row_heights=[table_height, bars_height], vertical_spacing=0.04)
-    fig.add_trace(go.Table(
-        header=dict(values=["tensor (vLLM checkpoint name)", "shape", "parameters"],
-                    fill_color=PALETTE["grey"], font=dict(color="white"), align="left"),
-        cells=dict(values=[[r[0] for r in rows] + ["<b>total</b>"],
-                           [" × ".join(map(str, r[1])) for r in rows] + [""],
-                           [f"{int(r[2]):,}" for r in rows] + [f"<b>{total:,}</b>"]],
-                   align=["left", "left", "right"], height=24),
-        columnwidth=[4, 2, 1.4],
-    ), row=1, col=1)
-    fig.add_trace(go.Bar(
+    return {label: by_group[label] for _, label in PARAMETER_GROUPS if label in by_group}, total
+
+
+_TABLE_CSS = ("border-collapse:collapse;font-size:12px;margin:4px 0;")
+_TH = "border:1px solid #ccc;padding:3px 8px;background:#eeeeee;text-align:left;"
+_TD = "border:1px solid #ddd;padding:2px 8px;"
+
+
+def html_table(header, rows, *, align=None, max_height: int | None = None, caption: str | None = None,
+               total=None) -> str:
+    """A plain HTML table (every cell shows on first draw, unlike plotly's Table); ``total`` is a last,
+    bold row; ``max_height`` (px) scrolls a long table with its header kept in view."""
+    align = align or ["left"] * len(header)
+    esc = html.escape
+    head = "".join(f'<th style="{_TH}position:sticky;top:0;text-align:{a}">{esc(str(h))}</th>'
+                   for h, a in zip(header, align))
+    body = "".join("<tr>" + "".join(f'<td style="{_TD}text-align:{a}">{c}</td>' for c, a in zip(r, align)) + "</tr>"
+                   for r in rows)
+    if total is not None:
+        body += "<tr>" + "".join(f'<td style="{_TD}text-align:{a};font-weight:bold;border-top:2px solid #999">{c}</td>'
+                                 for c, a in zip(total, align)) + "</tr>"
+    cap = f'<caption style="caption-side:top;text-align:left;font-weight:bold;padding:2px 0">{esc(caption)}</caption>' \
+        if caption else ""
+    table = f'<table style="{_TABLE_CSS}">{cap}<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
+    if max_height:
+        return f'<div style="max-height:{max_height}px;overflow-y:auto;display:inline-block">{table}</div>'
+    return table
+
+
+def parameter_table_html(rows, *, caption: str | None = None, max_height: int | None = 360) -> str:
+    """``rows`` of (name, shape, count) as an HTML table with a total line."""
+    rows = list(rows)
+    total = sum(int(r[2]) for r in rows)
+    body = [(f"<code>{html.escape(r[0])}</code>", " × ".join(map(str, r[1])), f"{int(r[2]):,}") for r in rows]
+    return html_table(["tensor (vLLM checkpoint name)", "shape", "parameters"], body, align=["left", "left", "right"],
+                      caption=caption, max_height=max_height, total=(f"total: {len(rows)} tensors", "", f"{total:,}"))
+
+
+def parameter_bars_figure(rows, *, title: str | None = None) -> go.Figure:
+    """The parameter count per kind of tensor (attention, MLP, fc, norms) as bars."""
+    by_group, total = _group_counts(list(rows))
+    fig = go.Figure(go.Bar(
         orientation="h", y=list(by_group), x=list(by_group.values()), marker_color=PALETTE["blue"],
         text=[f"{n:,} ({n / max(total, 1):.0%})" for n in by_group.values()], textposition="auto",
         hovertemplate="%{y}: %{x:,} parameters<extra></extra>",
-    ), row=2, col=1)
-    fig.update_yaxes(autorange="reversed", row=2, col=1)
-    fig.update_xaxes(title_text="parameters", row=2, col=1)
-    fig.update_layout(title=title or "Drafter parameters", showlegend=False,
-                      height=90 + table_height + bars_height, margin=dict(l=10, r=10, t=50, b=10))
-    return fig
+    ))
+    fig.update_yaxes(autorange="reversed", automargin=True)
+    fig.update_xaxes(title_text="parameters")
+    fig.update_layout(showlegend=False)
+    return titled(fig, title or f"Drafter parameters by kind: {total:,} in all", height=110 + 34 * len(by_group))
+
+
+def layer_table_html(layers) -> str:
+    """Per drafter layer, as vLLM resolves it: ``layers`` are dicts with name, layer_type, causal,
+    rule (what decided causality), window, rope_theta and rotary (rotated / head channels)."""
+    body = []
+    for L in layers:
+        causal = "causal (query j sees block keys 0..j)" if L["causal"] else "not causal (whole block)"
+        window = "none" if L["window"] is None else (f"last {L['window']}" if L["causal"] else f"±{L['window']} (symmetric)")
+        body.append((f"<code>{html.escape(L['name'])}</code>", L["layer_type"], f"<b>{causal}</b>",
+                     html.escape(L["rule"]), window, f"{L['rope_theta']:g}", L["rotary"]))
+    return html_table(["vLLM attention layer", "layer type", "inside the block", "decided by", "window", "RoPE θ served",
+                       "rotated channels"], body)
+
+
+def rope_table_html(rows) -> str:
+    """``config.rope_resolution_table`` rows: θ in the file vs θ vLLM serves, flagged when they differ."""
+    body = []
+    for r in rows:
+        flag = '<b style="color:#D55E00">⚠ differs from the file</b>' if r["differs"] else "same"
+        in_file = "—" if r["rope_theta_in_file"] is None else f"{float(r['rope_theta_in_file']):g}"
+        body.append((r["layer_type"], in_file, f"{r['rope_theta_served']:g}", f"{r['partial_rotary_factor']:g}", flag))
+    return html_table(["layer type", "θ in config.json", "θ vLLM serves", "partial rotary", ""], body)

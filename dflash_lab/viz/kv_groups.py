@@ -26,11 +26,18 @@ def _kib(n: float | None) -> str:
     return text.replace(" ", "\u00a0")  # a table cell must not wrap "8.0 / KiB"
 
 
-def wrapped_title(text: str, *, width: int = 90) -> tuple[str, int]:
+def wrapped_title(text: str, *, width: int = 80) -> tuple[str, int]:
     """``text`` broken into lines of at most ``width`` characters (plotly never wraps a
     title, it clips it), and the number of lines; existing ``<br>`` breaks are kept."""
     lines = [line for part in text.split("<br>") for line in (textwrap.wrap(part, width) or [""])]
     return "<br>".join(lines), len(lines)
+
+
+def _title(text: str, n_lines: int) -> tuple[dict, int]:
+    """A title placed under plotly's toolbar (never behind it), and the top margin it needs."""
+    toolbar = 34  # px: the modebar's strip at the top of the figure
+    return (dict(text=text, x=0, xanchor="left", y=1, yref="container", yanchor="top", pad=dict(t=toolbar, l=10)),
+            toolbar + 22 * n_lines + 16)
 
 
 MISSING_LABEL = "✗ in no group"
@@ -91,17 +98,16 @@ def kv_group_layout_figure(rows, *, title: str | None = None, warning: str | Non
     widest = max(widest, len(missing))
     heading, n_lines = wrapped_title(title or "KV-cache groups")
     if warning:
-        text, extra = wrapped_title(f"⚠ {warning}", width=110)
+        text, extra = wrapped_title(f"⚠ {warning}", width=100)
         heading += "".join(f"<br><span style='font-size:12px;color:{PALETTE['red']}'>{line}</span>"
                            for line in text.split("<br>"))
         n_lines += extra
-    top = 30 + 22 * n_lines  # room for every title line
+    title, top = _title(heading, n_lines)  # room for every title line
     fig.update_layout(
-        title=dict(text=heading, x=0, xanchor="left", y=1, yanchor="top", pad=dict(t=12, l=10)),
-        barmode="overlay", bargap=0.25, height=110 + top + 42 * max(len(labels), 1),
+        title=title, barmode="overlay", bargap=0.25, height=100 + top + 42 * max(len(labels), 1),
         xaxis=dict(title="position in the group", range=[-0.1, widest + 0.1], dtick=1, showgrid=False),
         yaxis=dict(categoryorder="array", categoryarray=labels, autorange="reversed", automargin=True),
-        legend=dict(title="spec kind"), margin=dict(l=10, r=10, t=top + 10, b=10),
+        legend=dict(title="spec kind"), margin=dict(l=10, r=10, t=top, b=10),
     )
     return fig
 
@@ -143,9 +149,8 @@ def kv_group_memory_figure(memory, *, title: str | None = None) -> go.Figure:
                              hovertemplate="%{y}: %{x:,.1f} KiB<extra>" + name + "</extra>"), row=2, col=1)
     fig.update_xaxes(title_text="KiB of one pool block: used by the group (blue), left empty (grey)", row=2, col=1)
     fig.update_yaxes(autorange="reversed", row=2, col=1)
-    heading, n_lines = wrapped_title(title or "Memory per KV-cache group")
+    heading, top = _title(*wrapped_title(title or "Memory per KV-cache group"))
     fig.update_yaxes(automargin=True, row=2, col=1)
-    fig.update_layout(title=dict(text=heading, x=0, xanchor="left"), barmode="stack", showlegend=False,
-                      height=70 + 22 * n_lines + table_height + bars_height,
-                      margin=dict(l=10, r=10, t=30 + 22 * n_lines, b=10))
+    fig.update_layout(title=heading, barmode="stack", showlegend=False, height=50 + top + table_height + bars_height,
+                      margin=dict(l=10, r=10, t=top, b=10))
     return fig

@@ -43,6 +43,8 @@ class EngineRun:
     draft_sample_method: str = "greedy"  # vLLM's default: drafts are the drafter's argmax
     prompt_lookup_min: int = 2  # ngram only; the lab's PromptLookupDrafter defaults
     prompt_lookup_max: int = 5
+    prompts: list | None = field(default=None, repr=False)  # this run's own prompts (default: run_offline's)
+    max_new_tokens: int | None = None  # this run's own length (default: run_offline's)
 
     def __post_init__(self):
         if self.method not in ("dflash", "ngram", None):
@@ -53,6 +55,10 @@ class EngineRun:
         if self.draft_sample_method not in DRAFT_SAMPLE_METHODS:
             raise ValueError(f"EngineRun {self.name!r}: draft_sample_method must be one of {DRAFT_SAMPLE_METHODS}, "
                              f"got {self.draft_sample_method!r}")
+        if self.max_new_tokens is not None and (isinstance(self.max_new_tokens, bool) or
+                                                not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1):
+            raise ValueError(f"EngineRun {self.name!r}: max_new_tokens must be None or an integer >= 1, "
+                             f"got {self.max_new_tokens!r}")
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) or self.temperature < 0:
             raise ValueError(f"EngineRun {self.name!r}: temperature must be a number >= 0, got {self.temperature!r}")
 
@@ -118,7 +124,8 @@ def run_offline(prompts, runs, *, max_new_tokens: int = 64, seed: int = 0, targe
     """Every prompt through vLLM's ``LLM`` once per run; {run name: EngineResult}.
 
     prompts: token-id lists (given to vLLM as ``TokensPrompt``: no tokenizer in
-    between). Prompt i is sampled with seed + i. Generation ignores EOS and
+    between); a run may bring its own (``EngineRun.prompts``, ``.max_new_tokens``).
+    Prompt i is sampled with seed + i. Generation ignores EOS and
     makes exactly ``max_new_tokens`` tokens, like ``speculative_generate`` with
     no stop tokens. in_process runs vLLM's engine in the runner's own process
     (saves two vLLM imports per run). shim=False runs without the CPU shim.
@@ -130,14 +137,19 @@ def run_offline(prompts, runs, *, max_new_tokens: int = 64, seed: int = 0, targe
         raise ValueError(f"run names must be unique, got {[r.name for r in runs]}")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-    prompts = _check_prompts(prompts)
+    prompts = _check_prompts(prompts) if prompts is not None else None
+    run_prompts = {r.name: _check_prompts(r.prompts) if r.prompts is not None else prompts for r in runs}
+    if any(p is None for p in run_prompts.values()):
+        raise ValueError("prompts is None: give prompts, or prompts= to every EngineRun")
+    run_tokens = {r.name: r.max_new_tokens or max_new_tokens for r in runs}
     python = vllm_python(venv)
     target_dir, drafter_dir = checkpoint_dirs(target, drafter, need_drafter=any(r.method == "dflash" for r in runs))
-    longest = max(len(p) for p in prompts) + max_new_tokens + max(r.num_speculative_tokens for r in runs) + 1
-    job = {"target": str(target_dir), "drafter": str(drafter_dir) if drafter_dir else None, "prompts": prompts,
+    longest = max(len(p) + run_tokens[r.name] + r.num_speculative_tokens + 1 for r in runs for p in run_prompts[r.name])
+    job = {"target": str(target_dir), "drafter": str(drafter_dir) if drafter_dir else None,
            "dtype": dtype, "max_model_len": max_model_len or max(512, longest),
            "kv_cache_memory_bytes": KV_CACHE_MEMORY_BYTES, "enforce_eager": enforce_eager, "seed": seed,
-           "runs": [{**asdict(r), "max_new_tokens": max_new_tokens, "seed": seed} for r in runs]}
+           "runs": [{**asdict(r), "prompts": run_prompts[r.name], "max_new_tokens": run_tokens[r.name], "seed": seed}
+                    for r in runs]}
 
     with tempfile.TemporaryDirectory(prefix="dflash-lab-vllm-") as tmp, \
             tqdm(total=len(runs), desc="vLLM offline runs", unit="run", disable=not progress, leave=False) as bar:

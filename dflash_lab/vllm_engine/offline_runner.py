@@ -9,12 +9,12 @@ this script and reads the result back:
 
 JOB.json:
     target, drafter          checkpoint directories (drafter may be null for ngram / no speculation)
-    prompts                  list of token-id lists (vllm.inputs.TokensPrompt: no tokenizer involved)
     dtype, max_model_len, kv_cache_memory_bytes, enforce_eager, seed
-    runs                     list of {name, method: "dflash" | "ngram" | null, num_speculative_tokens,
-                             temperature, max_new_tokens, draft_sample_method, prompt_lookup_min,
-                             prompt_lookup_max}; each run starts its own engine (the speculative
-                             config is fixed per engine), one after the other in this process
+    runs                     list of {name, prompts (token-id lists, given as vllm.inputs.TokensPrompt:
+                             no tokenizer involved), method: "dflash" | "ngram" | null,
+                             num_speculative_tokens, temperature, max_new_tokens, draft_sample_method,
+                             prompt_lookup_min, prompt_lookup_max}; each run starts its own engine
+                             (the speculative config is fixed per engine), one after the other
 RESULT.json:
     vllm_version, shim (fixes applied in this process, or null when the shim is not loaded)
     runs: {name, outputs (generated token ids per prompt), steps (per prompt: [drafted, accepted]
@@ -91,8 +91,8 @@ def run_one(job: dict, run: dict) -> dict:
     seed = int(run.get("seed", job.get("seed", 0)))
     params = [SamplingParams(temperature=float(run.get("temperature", 0.0)), max_tokens=int(run["max_new_tokens"]),
                              ignore_eos=True, detokenize=False, seed=seed + i)  # prompt i: seed + i, like the lab
-              for i in range(len(job["prompts"]))]
-    prompts = [TokensPrompt(prompt_token_ids=list(map(int, p))) for p in job["prompts"]]
+              for i in range(len(run["prompts"]))]
+    prompts = [TokensPrompt(prompt_token_ids=list(map(int, p))) for p in run["prompts"]]
     before = spec_decode_exposition() if run.get("method") else ""
     t1 = time.perf_counter()
     results = llm.generate(prompts, params, use_tqdm=False)

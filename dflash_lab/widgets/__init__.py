@@ -7,6 +7,7 @@ and hands the result to a viz function. One module per chapter:
     drafter     chapter 1: drafter_config_explorer
     context_kv  chapter 2: context_kv_path_explorer, sliding_window_explorer
     acceptance  chapter 3: acceptance_explorer
+    step_through chapters 1 and 3: step_through (a step slider over one generation)
     kv_groups   chapter 4: kv_groups_explorer
     kernels     chapter 5: fused_kernel_explorer, window_acceptance_explorer
 """
@@ -15,6 +16,7 @@ from dflash_lab.widgets.common import CONTEXT_KV_DTYPES
 from dflash_lab.widgets.drafter import drafter_config_explorer
 from dflash_lab.widgets.context_kv import context_kv_path_explorer, sliding_window_explorer
 from dflash_lab.widgets.acceptance import acceptance_explorer
+from dflash_lab.widgets.step_through import step_through
 from dflash_lab.widgets.kv_groups import kv_groups_explorer
 from dflash_lab.widgets.kernels import fused_kernel_explorer, window_acceptance_explorer
 
@@ -22,7 +24,7 @@ __all__ = [
     "CONTEXT_KV_DTYPES",
     "drafter_config_explorer",
     "context_kv_path_explorer", "sliding_window_explorer",
-    "acceptance_explorer",
+    "acceptance_explorer", "step_through",
     "kv_groups_explorer",
     "fused_kernel_explorer", "window_acceptance_explorer",
 ]

@@ -5,12 +5,22 @@ from __future__ import annotations
 
 import copy
 
+import plotly.graph_objects as go
 import torch
 
 from dflash_lab.context_kv import context_kv_agreement
 from dflash_lab.runtime import synchronized_time
 
 CONTEXT_KV_DTYPES = ("float32", "bfloat16")
+WIDE = {"description_width": "initial"}  # a control's label takes the width it needs: never truncated
+
+
+def figure_widget(fig) -> go.FigureWidget:
+    """A FigureWidget that fills its output's width (plotly's responsive mode; no fixed 700 px)."""
+    widget = go.FigureWidget(fig)
+    widget._config = {"responsive": True, "displaylogo": False}
+    widget.layout.autosize = True
+    return widget
 
 
 def _redraw_figure_widget(fig_widget, fig) -> None:
@@ -19,6 +29,7 @@ def _redraw_figure_widget(fig_widget, fig) -> None:
         for old, new in zip(fig_widget.data, fig.data):
             old.update(new.to_plotly_json(), overwrite=True)
         fig_widget.layout.update(fig.layout.to_plotly_json(), overwrite=True)
+        fig_widget.layout.autosize = True  # keep filling the width
 
 
 def _measure_context_kv(copies: dict, drafter, context, positions, path: str, dtype_name: str, *,

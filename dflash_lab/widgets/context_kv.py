@@ -44,26 +44,31 @@ def context_kv_path_explorer(drafter, context, positions) -> widgets.VBox:
     return box
 
 
-def sliding_window_explorer(*, context_len: int = 24, block_size: int = 8, window: int = 8) -> widgets.VBox:
-    """Toggle the sliding window and change its size; see which keys each block query sees.
+def sliding_window_explorer(*, context_len: int = 24, block_size: int = 8, window: int = 8,
+                            causal: bool = True) -> widgets.VBox:
+    """Toggle the sliding window, its size and causality; see which keys each block query sees.
 
     The block starts right after ``context_len`` context positions. Each change
-    recomputes ``drafter.dflash_attention_mask`` (full attention when the
-    window is off) and redraws ``viz.visibility_mask_figure``. The returned box
-    exposes ``.sliding``, ``.window``, ``.figure`` and ``.summary``.
+    recomputes ``drafter.dflash_attention_mask`` (no window when it is off; causal inside
+    the block as vLLM makes sliding layers, or non-causal with vLLM's symmetric window)
+    and redraws ``viz.visibility_mask_figure``. The returned box exposes ``.sliding``,
+    ``.window``, ``.causal``, ``.figure`` and ``.summary``.
     """
     sliding = widgets.Checkbox(value=True, description="sliding window")
+    causal_box = widgets.Checkbox(value=causal, description="causal inside the block (vLLM: sliding layers)",
+                                  layout=widgets.Layout(width="auto"), style={"description_width": "initial"})
     size = widgets.IntSlider(value=window, min=1, max=context_len + block_size, description="window")
     summary = widgets.HTML()
     ctx_pos = torch.arange(context_len)
     q_pos = torch.arange(context_len, context_len + block_size)
 
     def figure(on: bool, w: int):
-        mask = dflash_attention_mask(q_pos[None], ctx_pos, block_size, w if on else None)[0]  # (Q, N+Q)
-        seen = mask[:, :context_len].sum(-1).tolist()
+        mask = dflash_attention_mask(q_pos[None], ctx_pos, block_size, w if on else None, causal=causal_box.value)[0]
+        seen = mask[:, :context_len].sum(-1).tolist()  # mask: (Q, N+Q)
         summary.value = ("context keys seen per block query: " + ", ".join(map(str, seen))
-                         + (f" (window {w})" if on else " (full attention)"))
-        label = f"sliding window {w}" if on else "full attention (no window)"
+                         + "; block keys: " + ", ".join(map(str, mask[:, context_len:].sum(-1).tolist()))
+                         + (f" (window {w})" if on else " (no window)"))
+        label = (f"sliding window {w}" if on else "no window") + (", causal" if causal_box.value else ", non-causal")
         return viz.visibility_mask_figure(mask, query_positions=q_pos, key_positions=torch.cat([ctx_pos, q_pos]),
                                           context_len=context_len, title=f"Which keys each block query sees: {label}")
 
@@ -79,7 +84,8 @@ def sliding_window_explorer(*, context_len: int = 24, block_size: int = 8, windo
             sliding.value = True  # moving the window switches it on (the checkbox observer redraws)
 
     sliding.observe(redraw, names="value")
+    causal_box.observe(redraw, names="value")
     size.observe(resize, names="value")
-    box = widgets.VBox([widgets.HBox([sliding, size]), summary, fig])
-    box.sliding, box.window, box.figure, box.summary = sliding, size, fig, summary
+    box = widgets.VBox([widgets.HBox([sliding, size, causal_box]), summary, fig])
+    box.sliding, box.window, box.causal, box.figure, box.summary = sliding, size, causal_box, fig, summary
     return box

@@ -49,6 +49,10 @@ def kv_groups_explorer(*, kv_budget_bytes: int = 1 << 30) -> widgets.VBox:
     syncing = {"on": False}  # set while controls are being made consistent: no redraw per change
 
     def show(widget, fig):
+        # Assigning a layout reaches the browser as a relayout, which keeps whatever the new
+        # layout leaves out: clear the old draft-group shading first, or a stale one stays drawn.
+        if widget.layout.shapes:
+            widget.layout.shapes = ()
         with widget.batch_update():
             widget.data = ()
             widget.add_traces(fig.data)

@@ -4,15 +4,18 @@
 # **Question.** What is a Laguna DFlash drafter made of, and how does vLLM validate
 # and load it?
 #
-# DFlash drafts a whole block of tokens in **one** forward pass of a small drafter.
-# The drafter owns no embedding and no `lm_head`: it borrows both from the Laguna
-# target. What it owns is a handful of Laguna-flavoured decoder layers, plus a
-# small adapter (`aux_hidden_norms`, `fc`, `hidden_norm`) that turns the outputs of a
-# few target layers into the drafter's *context*.
+# [DFlash](GLOSSARY.md#dflash) drafts a whole [block](GLOSSARY.md#draft-block) of tokens in
+# **one** forward pass of a small [drafter](GLOSSARY.md#drafter). The drafter owns no embedding
+# and no `lm_head`: it borrows both from the Laguna [target](GLOSSARY.md#target). What it owns
+# is a handful of Laguna-flavoured decoder layers, plus a small adapter (`aux_hidden_norms`,
+# `fc`, `hidden_norm`) that turns the outputs of a few target layers into the drafter's
+# *context* ([context K/V](GLOSSARY.md#context-kv)).
 #
 # This chapter walks the drafter the way vLLM 0.33's `DFlashLagunaForCausalLM` sees
-# it: its `config.json` and the rules vLLM enforces on it, the module, the checkpoint
-# layout, and one draft block with the shape of every tensor on the way.
+# it: its `config.json` and the rules vLLM enforces on it, Poolside's real drafter configs,
+# the module, the checkpoint layout, and one draft block, first with the shape of every
+# tensor, then step by step with the trained pair. Words in the [glossary](GLOSSARY.md) are
+# linked the first time they appear.
 
 # %%
 import os
@@ -20,19 +23,22 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing in the lab reaches the network
 
 import copy
+import json
 import tempfile
 from pathlib import Path
 
 import torch
+from IPython.display import HTML
 
-from dflash_lab import viz
-from dflash_lab.assets import default_device
+from dflash_lab import presets, viz
+from dflash_lab.assets import default_device, heldout_prompts, load_default_pair
 from dflash_lab.checkpoint import CheckpointError, load_drafter, save_drafter
-from dflash_lab.config import DFlashDrafterConfig
-from dflash_lab.drafter import DFlashLagunaDrafter
+from dflash_lab.config import DFlashDrafterConfig, rope_resolution_table
+from dflash_lab.drafter import DFlashLagunaDrafter, dflash_attention_mask
 from dflash_lab.runtime import seed_everything
+from dflash_lab.spec_decode import speculative_generate
 from dflash_lab.target import build_target, target_forward, target_layer_ids_spread, tiny_laguna_config
-from dflash_lab.widgets import drafter_config_explorer
+from dflash_lab.widgets import drafter_config_explorer, step_through
 
 _ = seed_everything(0)  # (it returns a seeded generator; this chapter does not need one)
 
@@ -43,10 +49,14 @@ _ = seed_everything(0)  # (it returns a seeded generator; this chapter does not 
 # Next to the usual Laguna attention fields it carries three DFlash-specific things:
 #
 # - `layer_types`: one entry per drafter layer, all `full_attention` or all
-#   `sliding_attention`;
+#   `sliding_attention`; the type also decides whether attention inside the draft block is
+#   [causal](GLOSSARY.md#causal): vLLM makes a `sliding_attention` layer causal (block query j
+#   sees block keys 0..j) and a `full_attention` layer not (every query sees the whole block),
+#   unless `is_causal` or `dflash_config.causal` says otherwise;
 # - `dflash_config`: which **target** layers feed the drafter (`target_layer_ids`),
-#   the token that fills the block after its first position (`mask_token_id`), and
-#   the block size it was trained for;
+#   the token that fills the block after its first position (`mask_token_id`, the
+#   [mask token](GLOSSARY.md#mask-token)), the block size it was trained for, and optionally
+#   `causal`;
 # - `draft_vocab_size`: must equal the target's vocabulary, because the drafter
 #   uses the target's `lm_head`.
 #
@@ -74,6 +84,7 @@ cfg = DFlashDrafterConfig.from_dict(config_dict)
 print("target layers read:", cfg.target_layer_ids)
 print(f"layer type: {cfg.layer_type}, RoPE on {cfg.rotary_dim} of {cfg.head_dim} channels "
       f"(theta {cfg.rope['rope_theta']:g}), gate per head: {cfg.gate_per_head}, window: {cfg.window}")
+print("causal inside the block:", cfg.is_causal, "(full_attention and no causal key: vLLM's rule says no)")
 
 # %% [markdown]
 # The defaults come from Laguna: a full-attention layer rotates half of each head
@@ -130,11 +141,103 @@ for label, target in {
         print(f"{label}: {e}")
 
 # %% [markdown]
-# ## 3 · The module
+# ## 3 · Real drafters: Poolside's configs
+#
+# Poolside publishes its Laguna DFlash drafters. `dflash_lab.presets` holds the
+# Laguna-S-2.1-DFlash `config.json` verbatim and a config with Laguna-XS-2.1-DFlash's published
+# shape, each with a matching target config. Both are **sliding-window** drafters with
+# `dflash_config.causal: true`, so vLLM runs them causal inside the block; the DFlash paper's
+# drafters, and this lab's shipped one, are full attention and not causal. Each is validated
+# against its target, counted at full size (built on PyTorch's `meta` device: shapes, no
+# memory), and built for real with the widths and vocabulary shrunk
+# (`presets.shrink_drafter_config`, which keeps layer types, causality, window, RoPE, layer ids
+# and gate).
+
+# %%
+for name in presets.DRAFTER_PRESETS:
+    d, target_d = presets.drafter_preset(name)
+    real = DFlashDrafterConfig.from_dict(d)
+    real.validate_against_target(target_d)
+    with torch.device("meta"):  # full size, shapes only
+        full = DFlashLagunaDrafter(real).state_dict()
+    n_params = sum(t.numel() for t in full.values())
+    small = DFlashLagunaDrafter(DFlashDrafterConfig.from_dict(presets.shrink_drafter_config(d)))
+    print(f"{name}: pairs with a {target_d['num_hidden_layers']}-layer target; {len(full)} tensors, "
+          f"{n_params / 1e9:.3f} B parameters; "
+          f"{real.num_hidden_layers} x {real.layer_type}, window {real.window}, causal {real.is_causal}")
+    print("   built shrunk:", sum(p.numel() for p in small.parameters()), "parameters; vLLM's layer names:",
+          small.attention_layer_names()[0], "...", small.attention_layer_names()[-1])
+
+# %% [markdown]
+# Laguna-S-2.1-DFlash comes to 1.115 B parameters in 69 tensors, as a public port plan of the
+# S-2.1 pair says. Its drafter layers register after the target's 48, as `model.layers.48` …
+# `model.layers.53`.
+#
+# **RoPE: what the file says and what vLLM serves.** The S-2.1 file carries one flat
+# `rope_theta: 500000`. vLLM reads a drafter directory through transformers' `LagunaConfig`,
+# which files a flat `rope_theta` under `full_attention` only; `sliding_attention` keeps its
+# default θ 10000. These drafters are all sliding, so vLLM serves them with θ 10000, not the
+# file's 500000. The lab follows vLLM, and flags the difference:
+
+# %%
+d_s21, _ = presets.drafter_preset("laguna-s-2.1-dflash")
+for row in rope_resolution_table(d_s21):
+    flag = "  <- differs from the file" if row["differs"] else ""
+    print(f"{row['layer_type']:18s} theta in file {row['rope_theta_in_file']:>9g}   vLLM serves "
+          f"{row['rope_theta_served']:>9g}   partial rotary {row['partial_rotary_factor']:g}{flag}")
+print("the S-2.1 drafter's own layers run theta", DFlashDrafterConfig.from_dict(d_s21).rope["rope_theta"])
+
+# %% [markdown]
+# **Asking vLLM itself.** The lab's rules are vLLM's, written out; vLLM 0.33 is installed, so
+# the same questions can go to its own functions: `get_config` reads the directory (through the
+# strict `LagunaConfig`), `_dflash_layer_causal` decides each layer's causality, and
+# `get_eagle3_aux_layers_from_config` resolves which target hidden states feed the drafter.
+# Importing vLLM takes a while on a CPU.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+import logging
+from types import SimpleNamespace
+
+logging.getLogger("vllm").setLevel(logging.ERROR)  # vLLM's platform notes (no GPU here) are not this chapter's
+logging.getLogger("torch").setLevel(logging.ERROR)
+# vLLM is a heavy optional dependency: imported here, for this one check, not at the top.
+from vllm.model_executor.models.qwen3_dflash import _dflash_layer_causal  # noqa: E402
+from vllm.transformers_utils.config import get_config  # noqa: E402
+from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import get_eagle3_aux_layers_from_config  # noqa: E402
+
+# %%
+def ask_vllm(d: dict) -> tuple:
+    """vLLM 0.33's own reading of a drafter config.json: causality per layer, aux layer ids, theta."""
+    folder = Path(tempfile.mkdtemp(prefix="dflash-chapter1-vllm-"))
+    (folder / "config.json").write_text(json.dumps(d))
+    hf = get_config(str(folder), trust_remote_code=False)
+    causal = [_dflash_layer_causal(hf, i) for i in range(hf.num_hidden_layers)]
+    aux = list(get_eagle3_aux_layers_from_config(SimpleNamespace(draft_model_config=SimpleNamespace(hf_config=hf))))
+    own = hf.rope_parameters.get(hf.layer_types[0], hf.rope_parameters)
+    return causal, aux, float(own["rope_theta"])
+
+
+for name in presets.DRAFTER_PRESETS:
+    d, _ = presets.drafter_preset(name)
+    causal, aux, theta = ask_vllm(d)
+    lab = DFlashDrafterConfig.from_dict(d)
+    agree = causal == [lab.is_causal] * lab.num_hidden_layers and aux == lab.aux_hidden_state_layer_ids \
+        and theta == lab.rope["rope_theta"]
+    print(f"{name}: vLLM causal per layer {causal}, aux ids {aux}, theta {theta:g}; the lab agrees: {agree}")
+
+# %% [markdown]
+# ## 4 · The module
 #
 # The drafter is built on the GPU when there is one (set `DFLASH_LAB_DEVICE` to
-# override), else on the CPU. Its parameter names are exactly vLLM's checkpoint names,
-# so its state dict *is* a vLLM drafter checkpoint.
+# override), else on the CPU. Its parameter names are exactly vLLM's checkpoint names, and
+# the `config.json` the lab writes is one vLLM 0.33 reads. That second half was not always
+# true: the lab used to write `"sliding_window": null` for a full-attention drafter, and
+# transformers' strict `LagunaConfig` (vLLM's way into a drafter directory) refuses a null
+# window. Now an absent window is left out and both layer-id keys
+# (`eagle_aux_hidden_state_layer_ids`, which vLLM reads first, and
+# `dflash_config.target_layer_ids`) are written and agree, so a saved drafter *is* a vLLM
+# drafter checkpoint: a CI test hands it to vLLM's `get_config` and `SpeculativeConfig`.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -153,7 +256,7 @@ print(drafter)
 print(drafter.attention_layer_names())
 
 # %% [markdown]
-# ## 4 · Save and load, in vLLM's layout
+# ## 5 · Save and load, in vLLM's layout
 #
 # `save_drafter` writes `config.json` + `model.safetensors` into a temporary
 # directory and renames it into place, so a crash never leaves half a checkpoint.
@@ -166,6 +269,9 @@ print(sorted(p.name for p in (workdir / "drafter").iterdir()))
 reloaded = load_drafter(workdir / "drafter", device=device)
 same = all(torch.equal(a, b) for a, b in zip(drafter.state_dict().values(), reloaded.state_dict().values()))
 print("config equal:", reloaded.config == drafter.config, "| every tensor equal:", same)
+written = json.loads((workdir / "drafter" / "config.json").read_text())
+print("sliding_window written:", "sliding_window" in written, "| eagle_aux_hidden_state_layer_ids:",
+      written["eagle_aux_hidden_state_layer_ids"], "= target_layer_ids + 1:", written["dflash_config"]["target_layer_ids"])
 
 # %% [markdown]
 # A checkpoint that does not match its config is refused with the names of what is
@@ -190,7 +296,7 @@ for attempt in ("mismatch", "pickle"):
         print(str(e).replace(str(workdir), "<workdir>"), end="\n\n")
 
 # %% [markdown]
-# ## 5 · The parameters
+# ## 6 · The parameters
 #
 # Every tensor, named as in the vLLM checkpoint. Two layers of attention and MLP make
 # up most of it; `fc` maps the three concatenated target layers (3 × 256) to 256.
@@ -202,20 +308,26 @@ print("no embed_tokens / lm_head:", not any("embed_tokens" in r[0] or "lm_head" 
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-viz.parameter_table_figure(rows, title="Laguna DFlash drafter: tensors in vLLM's checkpoint layout")
-
-# %% [markdown]
-# Change the config and watch what vLLM would say and which tensors change. Depth adds
-# whole layers; sliding layers have exactly the tensors of full ones (the window and
-# RoPE are settings, not weights); a per-channel gate makes `g_proj` 64 times wider;
-# mixed layer types are refused.
+HTML(viz.parameter_table_html(rows, caption="Laguna DFlash drafter: tensors in vLLM's checkpoint layout"))
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-drafter_config_explorer(config_dict)
+viz.parameter_bars_figure(rows)
 
 # %% [markdown]
-# ## 6 · One draft block, step by step
+# Change the config, or load Poolside's, and watch what vLLM would say, how it resolves each
+# layer, and which tensors change. Depth adds whole layers; sliding layers have exactly the
+# tensors of full ones (the window, causality and RoPE are settings, not weights) but switch
+# causality on unless `dflash_config.causal` says otherwise; a per-channel gate makes `g_proj`
+# 64 times wider; mixed layer types are refused. The RoPE table flags a θ that vLLM serves
+# differently from the file.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+drafter_config_explorer(config_dict, target_config=target_config)
+
+# %% [markdown]
+# ## 7 · One draft block, step by step
 #
 # Random weights are enough to see the data path. A random tiny Laguna target
 # processes a 12-token prompt; the drafter then drafts one block of 8.
@@ -249,8 +361,10 @@ print("context K, V", tuple(k.shape), tuple(v.shape), "(layers, T, KV heads, hea
 # **Step 4: the block.** The last token the target produced, then 7 mask tokens,
 # embedded with the **target's** table at positions 12..19. **Step 5: one drafter
 # forward**: queries are the 8 block positions, keys are the 12 context positions
-# plus the block itself, with no causal mask inside the block. **Step 6: the target's
-# `lm_head`** turns the drafter's output into logits; positions 1..7 are the draft.
+# plus the block itself. This drafter's layers are `full_attention`, so by vLLM's rule they are
+# not causal: every block query sees every block key (a sliding drafter such as Poolside's
+# would be causal, query j seeing block keys 0..j). **Step 6: the target's `lm_head`** turns
+# the drafter's output into logits; positions 1..7 are the draft.
 
 # %%
 last_token = out.logits[:, -1].argmax(-1, keepdim=True)  # (1, 1)
@@ -270,9 +384,72 @@ print("draft       ", tuple(draft.shape), "               block - 1 proposed tok
 # %%
 # NBVAL_IGNORE_OUTPUT
 print("block:", block_ids[0].tolist())
-print("draft:", draft.tolist(), "(random weights: not meaningful yet; chapter 3 uses the trained pair)")
+print("draft:", draft.tolist(), "(random weights: not meaningful yet)")
+
+# %% [markdown]
+# The mask the drafter used, drawn: left of the dotted line the 12 context keys, right of it
+# the block's 8 keys; and the same block as vLLM would run it in a sliding, causal drafter
+# (window 8).
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+ctx_pos = torch.arange(12)
+for causal, window, label in ((cfg.is_causal, cfg.window, "this drafter: full attention, not causal"),
+                              (True, 8, "a sliding drafter (window 8): causal, as vLLM runs Poolside's")):
+    mask = dflash_attention_mask(block_positions.cpu(), ctx_pos, cfg.block_size, window, causal=causal)[0]
+    viz.visibility_mask_figure(mask, query_positions=block_positions[0], key_positions=torch.cat(
+        [ctx_pos, block_positions[0].cpu()]), context_len=12, title=f"Which keys each block query sees: {label}").show()
+
+# %% [markdown]
+# ### The same block with the trained pair: draft → verify → accept
+#
+# The shipped pair (the tiny Laguna code target and its trained DFlash drafter) generates 32
+# tokens after a held-out Python prompt, in blocks of 8. Move the step slider (or press ▶):
+# each step shows the block the drafter read, its guess at every position, the target's
+# choice from its one [verification](GLOSSARY.md#verification) forward, which guesses were
+# accepted, the first rejection, the [correction](GLOSSARY.md#correction-token) or
+# [bonus](GLOSSARY.md#bonus-token) token, and how many target forwards the step saved. The
+# grid beside it is this drafter's attention inside the block. Chapter 3 measures this over
+# many prompts.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+target_t, drafter_t, tokenizer = load_default_pair(device=device)
+prompt_ids = tokenizer(heldout_prompts()[0]["text"])["input_ids"][-64:]
+run = speculative_generate(target_t, drafter_t, prompt_ids, max_new_tokens=32, block_size=8)
+step_through(run, tokenizer, drafter=drafter_t, title="The shipped pair, block 8, greedy")
+
+# %%
+first = run.steps[1]
+print(f"step 1: drafted {len(first.draft_ids)}, accepted {first.num_accepted}, emitted {len(first.token_ids)} "
+      f"tokens for one target forward")
+print(f"whole run: {run.stats.num_generated_tokens} tokens in {run.stats.num_target_forwards} target forwards, "
+      f"tau {run.stats.mean_acceptance_length:.2f}")
+
+# %% [markdown]
+# ## Answer
+#
+# **What is a Laguna DFlash drafter made of, and how does vLLM validate and load it?** The
+# numbers this chapter computed:
+
+# %%
+s21 = DFlashDrafterConfig.from_dict(d_s21)
+with torch.device("meta"):
+    s21_params = sum(t.numel() for t in DFlashLagunaDrafter(s21).state_dict().values())
+print(f"- Made of: {cfg.num_hidden_layers} Laguna decoder layers + the adapter (aux norms, fc, hidden norm): "
+      f"{len(rows)} tensors, {sum(r[2] for r in rows):,} parameters here; no embedding, no lm_head.")
+print(f"- Poolside's Laguna-S-2.1-DFlash: {s21.num_hidden_layers} sliding layers, {s21_params / 1e9:.3f} B parameters, "
+      f"causal inside the block: {s21.is_causal}, theta served {s21.rope['rope_theta']:g} "
+      f"(file: {d_s21['rope_theta']:g}).")
+print(f"- vLLM refuses {len(cases)} kinds of broken config; a drafter pairs with a target only if vocabulary, "
+      "layer ids, mask token and widths fit.")
+print(f"- It registers as {drafter.attention_layer_names()[0]} ... after the target's {target_config.num_hidden_layers} "
+      "layers; the lab's config.json is read by vLLM 0.33 unchanged.")
+print(f"- One step of the trained pair: {len(first.draft_ids)} drafted in one drafter forward, {first.num_accepted} "
+      f"accepted by one target forward; over the run, tau {run.stats.mean_acceptance_length:.2f}.")
 
 # %% [markdown]
 # **Where next.** Chapter 2 opens up step 3, the context K/V: what the three
 # implementations compute and what the sliding window hides. Chapter 3 runs the
-# draft → verify → accept loop with the trained pair.
+# draft → verify → accept loop with the trained pair over many prompts and counts how far
+# into the block the drafter stays right.

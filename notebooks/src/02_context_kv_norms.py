@@ -99,8 +99,7 @@ for i in range(10):
 '''
 T = 48
 if tokenizer is not None:
-    encoded = tokenizer.encode(code * 4)
-    token_ids = list(getattr(encoded, "ids", encoded))[:T]
+    token_ids = tokenizer(code * 4)["input_ids"][:T]
 else:
     token_ids = torch.randint(4, cfg.draft_vocab_size, (T,), generator=torch.Generator().manual_seed(0)).tolist()
 input_ids = torch.tensor([token_ids], device=device)
@@ -224,8 +223,10 @@ for causal in (True, False):
         print(f"{'causal    ' if causal else 'non-causal'} window {str(window):4s}: context keys seen per block query "
               f"{mask[:, :24].sum(-1).tolist()}, block keys seen {mask[:, 24:].sum(-1).tolist()}")
 
-# Toggle the window and move its size: blue cells are context keys a query sees,
-# orange cells block keys, grey cells hidden.
+# Toggle the window, move its size and switch causality: blue cells are context keys
+# a query sees, orange cells block keys, grey cells hidden. With causality on (vLLM's
+# default for sliding layers) the block part is a triangle; off, the window is
+# symmetric.
 
 # %%
 # NBVAL_IGNORE_OUTPUT

@@ -317,8 +317,9 @@ for method in kv_groups.EAGLE_METHODS:
 #
 # **What a missed flag costs.** Not the drafter's blocks: every group gets its blocks,
 # flagged or not. Where the drop runs, a drafter group left unflagged while another
-# group is flagged keeps the last block of a cache hit, and the drafter reuses draft
-# K/V built from a next token the new request may not have: **stale draft K/V**
+# group is flagged keeps the last block of a cache hit (unless it shares its spec with a
+# flagged group, `kv_cache_coordinator.py:733-745`), and the drafter reuses draft K/V
+# built from a next token the new request may not have: **stale draft K/V**
 # (lower acceptance; the target still verifies every token). With no group flagged the
 # coordinator drops in every group instead: more recomputation, never stale.
 #

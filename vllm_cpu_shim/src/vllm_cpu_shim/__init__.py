@@ -21,7 +21,8 @@ One log line is written per fix applied. The defects (reproduced standalone by
              input): layers 1.. come out wrong, silently.
 
 Set ``VLLM_PLUGINS`` to a list without ``dflash_lab_cpu_shim`` (e.g. ``VLLM_PLUGINS=``)
-to run vLLM without the shim.
+to run vLLM without the shim, or ``VLLM_CPU_SHIM_DISABLE=grouped-rms-norm`` (fix names,
+comma-separated) to leave out single fixes.
 """
 
 from __future__ import annotations

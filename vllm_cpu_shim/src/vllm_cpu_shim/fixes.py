@@ -7,11 +7,13 @@ computes the right thing and a short description of the wrong result otherwise.
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from dataclasses import dataclass
 from typing import Callable
 
 PLUGIN_NAME = "dflash_lab_cpu_shim"  # the entry-point name; VLLM_PLUGINS lists it to enable the shim
+DISABLE_ENV = "VLLM_CPU_SHIM_DISABLE"  # comma-separated fix names to leave out (e.g. to watch a defect bite)
 
 _applied: dict[str, str] = {}  # fix name -> what its probe saw before patching
 _registered = False
@@ -247,5 +249,13 @@ def register() -> None:
 
     if not current_platform.is_cpu():  # a GPU (or other) install is never touched
         return
+    disabled = {name.strip() for name in os.environ.get(DISABLE_ENV, "").split(",") if name.strip()}
+    unknown = disabled - {fix.name for fix in FIXES}
+    if unknown:
+        _log(logging.WARNING, "%s names unknown fixes %s (known: %s)", DISABLE_ENV, sorted(unknown),
+             [fix.name for fix in FIXES])
     for fix in FIXES:
-        fix.apply_if_needed()
+        if fix.name in disabled:
+            _log(logging.WARNING, "fix for %s disabled by %s", fix.name, DISABLE_ENV)
+        else:
+            fix.apply_if_needed()

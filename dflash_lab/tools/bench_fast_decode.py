@@ -1,0 +1,165 @@
+"""Measured tokens/s of the shipped pair on the static, CUDA-graphed path (``spec_decode.batched``).
+
+One record per (method, block size, batch, CUDA graphs on/off):
+
+    method               "target_only" (greedy, block 1), "dflash", "prompt_lookup"
+    block_size, batch, cuda_graphs, tokens_per_s, mean_acceptance_length, device
+    + tokens, seconds, batch_steps, ms_per_batch_step, target_forwards_per_token,
+      outputs_equal_target_only (same batch and graphs setting), outputs_equal_graphs_off
+
+Every configuration runs the same prompts (the first ``n_prompts`` held-out
+prompts, each cut to its last 256 tokens) in chunks of ``batch``, after one
+untimed warm-up chunk; the clock covers prefill and decoding, host work included.
+"Graphs off" launches the same kernels one by one from Python.
+
+``phase_breakdown`` times each phase of a step (draft, verify, context-K/V
+append, accept) as its own graph: where the time of a step goes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..runtime import device_name, synchronized_time
+from ..spec_decode.batched import PHASES, FastDecoder, phase_times
+from ..spec_decode.stats import SpecDecodeStats
+
+METHODS = ("target_only", "dflash", "prompt_lookup")
+
+
+def runs(block_sizes) -> list[tuple[str, int]]:
+    """(method, block size) in the order they are measured."""
+    return [("target_only", 1)] + [(m, b) for m in ("dflash", "prompt_lookup") for b in block_sizes]
+
+
+def _proposer(method: str, drafter):
+    return {"target_only": None, "dflash": drafter, "prompt_lookup": "ngram"}[method]
+
+
+def measure_fast_decoding(target, drafter, prompts, *, batches, block_sizes, graphs=(True, False), max_new_tokens: int,
+                          progress=print, on_record=None) -> list[dict]:
+    """tokens/s of every (method, block, batch, graphs) on ``prompts``; see the module docstring."""
+    device = next(target.parameters()).device
+    dtype = str(next(target.parameters()).dtype).replace("torch.", "")
+    capacity = max(int(p.shape[-1]) for p in prompts) + max_new_tokens
+    outputs, records = {}, []
+    for batch in batches:
+        chunks = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
+        for cuda_graphs in graphs:
+            for method, block in runs(block_sizes):
+                t0 = synchronized_time(device)
+                dec = FastDecoder(target, _proposer(method, drafter), batch=batch, block_size=block, capacity=capacity,
+                                  cuda_graphs=cuda_graphs)
+                setup_s = synchronized_time(device) - t0
+                dec.generate(chunks[0], max_new_tokens=max_new_tokens)  # warm-up: Triton compiles, allocator
+                results, steps = [], 0
+                t0 = synchronized_time(device)
+                for chunk in chunks:
+                    results += dec.generate(chunk, max_new_tokens=max_new_tokens)
+                    steps += dec.host_steps
+                wall = synchronized_time(device) - t0
+                stats = sum((r.stats for r in results), SpecDecodeStats())
+                key = (method, block, batch, cuda_graphs)
+                outputs[key] = [r.new_token_ids for r in results]
+                rec = {
+                    "method": method, "block_size": block, "batch": batch, "cuda_graphs": dec.cuda_graphs,
+                    "tokens_per_s": round(stats.num_generated_tokens / wall, 1),
+                    "mean_acceptance_length": None if method == "target_only" else round(stats.mean_acceptance_length, 4),
+                    "device": device_name(device), "dtype": dtype,
+                    "tokens": stats.num_generated_tokens, "seconds": round(wall, 4), "batch_steps": steps,
+                    "ms_per_batch_step": round(1e3 * wall / max(steps, 1), 4),
+                    "target_forwards_per_token": round(stats.target_forwards_per_token, 4),
+                    "setup_s": round(setup_s, 3), "moe": dec.tgt.moe,
+                }
+                ref = outputs.get(("target_only", 1, batch, cuda_graphs))
+                rec["outputs_equal_target_only"] = f"{sum(a == b for a, b in zip(outputs[key], ref))}/{len(ref)}"
+                records.append(rec)
+                progress(f"  batch {batch:>2} graphs {'on ' if dec.cuda_graphs else 'off'} {method:14s} block {block:>2}: "
+                         f"{rec['tokens_per_s']:9.1f} tok/s  tau {rec['mean_acceptance_length']}  "
+                         f"{rec['ms_per_batch_step']:.3f} ms/step  same as target-only {rec['outputs_equal_target_only']}")
+                del dec
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                if on_record is not None:
+                    on_record(records)
+    for rec in records:  # graphed outputs against the same kernels launched eagerly
+        if rec["cuda_graphs"]:
+            on, off = (outputs.get((rec["method"], rec["block_size"], rec["batch"], g)) for g in (True, False))
+            rec["outputs_equal_graphs_off"] = None if off is None else f"{sum(a == b for a, b in zip(on, off))}/{len(on)}"
+    return records
+
+
+def speedups(records) -> list[dict]:
+    """tokens/s over target-only's at the same batch and graphs setting."""
+    base = {(r["batch"], r["cuda_graphs"]): r["tokens_per_s"] for r in records if r["method"] == "target_only"}
+    out = []
+    for r in records:
+        b = base.get((r["batch"], r["cuda_graphs"]))
+        if b:
+            out.append({"method": r["method"], "block_size": r["block_size"], "batch": r["batch"],
+                        "cuda_graphs": r["cuda_graphs"], "speedup": round(r["tokens_per_s"] / b, 3),
+                        "mean_acceptance_length": r["mean_acceptance_length"]})
+    return out
+
+
+def phase_breakdown(target, drafter, prompts, *, block_size: int, max_new_tokens: int) -> dict:
+    """Milliseconds per step in each phase, batch 1, each phase its own CUDA graph (DFlash and target only)."""
+    device = next(target.parameters()).device
+    capacity = max(int(p.shape[-1]) for p in prompts) + max_new_tokens
+    out = {}
+    for method, block in (("dflash", block_size), ("target_only", 1)):
+        dec = FastDecoder(target, _proposer(method, drafter), batch=1, block_size=block, capacity=capacity,
+                          cuda_graphs=True, phase_graphs=True)
+        phase_times(dec, prompts[:1], max_new_tokens=max_new_tokens)  # warm-up
+        total = {"steps": 0, **{f"{p}_s": 0.0 for p in PHASES}}
+        for p in prompts:
+            for k, v in phase_times(dec, [p], max_new_tokens=max_new_tokens).items():
+                total[k] += v
+        steps = max(total["steps"], 1)
+        out[method] = {"block_size": block, "steps": total["steps"], "cuda_graphs": dec.cuda_graphs,
+                       **{f"{p}_ms_per_step": round(1e3 * total[f"{p}_s"] / steps, 4) for p in PHASES}}
+        del dec
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return out
+
+
+def fast_markdown(records, phases=None, *, n_prompts: int, max_new_tokens: int) -> list[str]:
+    """Markdown lines: the tokens/s table (rows: method and block; columns: batch x graphs), speedups, phases."""
+    if not records:
+        return []
+    r0 = records[0]
+    batches = sorted({r["batch"] for r in records})
+    graphs = sorted({r["cuda_graphs"] for r in records}, reverse=True)
+    cols = [(b, g) for b in batches for g in graphs]
+    get = {(r["method"], r["block_size"], r["batch"], r["cuda_graphs"]): r for r in records}
+    lines = [f"## Measured: the static path, CUDA graphs on and off ({r0['device']}, {r0['dtype']}, greedy)", "",
+             f"{n_prompts} held-out prompts (last 256 tokens each) x {max_new_tokens} new tokens, in batches; "
+             "static KV caches, MoE as " + f"`{r0.get('moe', '?')}`" + ", one CUDA graph per step "
+             "(`dflash_lab.spec_decode.batched`). Clock: prefill + decoding + host work, after a warm-up batch. "
+             "tokens/s (x target-only at the same batch and graphs setting; tau = mean acceptance length):", "",
+             "| method | block | " + " | ".join(f"batch {b}, graphs {'on' if g else 'off'}" for b, g in cols) + " |",
+             "|---|---|" + "---|" * len(cols)]
+    keys = sorted({(r["method"], r["block_size"]) for r in records}, key=lambda k: (METHODS.index(k[0]), k[1]))
+    for method, block in keys:
+        cells = []
+        for b, g in cols:
+            r, base = get.get((method, block, b, g)), get.get(("target_only", 1, b, g))
+            if r is None:
+                cells.append("-")
+                continue
+            x = f" ({r['tokens_per_s'] / base['tokens_per_s']:.2f}x)" if base and method != "target_only" else ""
+            tau = f", tau {r['mean_acceptance_length']:.2f}" if r["mean_acceptance_length"] else ""
+            cells.append(f"{r['tokens_per_s']:.0f}{x}{tau}")
+        lines.append(f"| {method} | {block} | " + " | ".join(cells) + " |")
+    same = [f"{r['method']} b{r['block_size']} batch {r['batch']}: {r['outputs_equal_graphs_off']}"
+            for r in records if r["cuda_graphs"] and r.get("outputs_equal_graphs_off")]
+    if same:
+        lines += ["", "Graphed output equal to the same kernels launched eagerly (prompts): " + "; ".join(same) + "."]
+    if phases:
+        lines += ["", "### Where a step's time goes (batch 1, each phase its own graph, ms per step)", "",
+                  "| method | block | steps | draft | verify | context K/V append | accept |", "|---|---|---|---|---|---|---|"]
+        for m, p in phases.items():
+            lines.append(f"| {m} | {p['block_size']} | {p['steps']} | {p['draft_ms_per_step']:.3f} | "
+                         f"{p['verify_ms_per_step']:.3f} | {p['append_ms_per_step']:.3f} | {p['accept_ms_per_step']:.3f} |")
+    return lines

@@ -1,0 +1,112 @@
+"""Distil a drafter in a notebook: small fresh data, the CLI's training loop, acceptance as it learns.
+
+The same three pieces as ``python -m dflash_lab.train drafter``, sized for one sitting:
+
+    prefix_streams      token streams of stdlib files the target never trained on
+                        (the corpus's ``distill`` split) to cut prefixes from
+    build_distill_data  the target's greedy continuations of those prefixes (distill.py)
+    train_drafter       the DFlash objective and loop (drafter_training.py), with a
+                        callback that measures held-out acceptance every few steps
+                        (``AcceptanceProbe``) and hands each measurement to the caller
+
+``train_live`` returns a ``LiveRun``: the drafter, the CLI's training log and the
+acceptance history, which ``dflash_lab.viz.training_live`` draws while it grows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .. import corpus
+from ..drafter import DFlashLagunaDrafter
+from ..spec_decode import SpecDecodeStats
+from .distill import DistillConfig, build_distill_data
+from .drafter_training import ATTENTION_PRESETS, DrafterTrainConfig, make_drafter_config, train_drafter
+from .evaluate import AcceptanceProbe
+from .target_lm import token_stream
+
+
+def prefix_streams(tokenizer, *, split: str = "distill", max_files: int | None = 200, corpus_root=None) -> dict:
+    """{"distill": tokens, "train": the same tokens} of up to ``max_files`` library files of one split.
+
+    The default split, ``distill``, holds files the shipped target never trained on, so the
+    drafter learns how the target continues code it has not memorised (as on held-out prompts).
+    """
+    files = [f for f in corpus.gather(corpus_root) if f.split == split and not corpus.is_test_path(f.relpath)]
+    if not files:
+        raise ValueError(f"no non-test files of split {split!r} under {corpus_root or corpus.stdlib_dir()}")
+    stream = token_stream(tokenizer, files[:max_files])
+    return {"distill": stream, "train": stream}
+
+
+def distill_small(target, tokenizer, *, num_sequences: int, prefix_lengths=(64,), continuation: int = 48,
+                  gen_batch: int = 256, seed: int = 1, max_files: int | None = 200):
+    """Fresh self-distillation data for a notebook run: ({P: (n, P + continuation)}, stats)."""
+    cfg = DistillConfig(prefix_lengths=tuple(prefix_lengths), continuation=continuation, num_sequences=num_sequences,
+                        gen_batch=min(gen_batch, num_sequences), distill_share=1.0, seed=seed)
+    return build_distill_data(target, tokenizer, prefix_streams(tokenizer, max_files=max_files), cfg, show_progress=False)
+
+
+@dataclass
+class LiveRun:
+    """A drafter in training: its log (the CLI's) and held-out acceptance every ``eval_every`` steps."""
+
+    config: DrafterTrainConfig
+    evals: list = field(default_factory=list)  # [(step, SpecDecodeStats)], step 0 = before training
+    log: dict = field(default_factory=dict)
+    drafter: object = None
+
+    @property
+    def before(self) -> SpecDecodeStats:
+        return self.evals[0][1]
+
+    @property
+    def after(self) -> SpecDecodeStats:
+        return self.evals[-1][1]
+
+
+def drafter_train_config(target_config, *, steps: int, block_size: int = 16, num_layers: int = 2,
+                         attention: str = "paper", **overrides) -> DrafterTrainConfig:
+    """A DrafterTrainConfig for a notebook run; ``attention`` names an ATTENTION_PRESETS entry
+    ("paper": full attention, non-causal; "poolside": sliding window 64, causal)."""
+    if attention not in ATTENTION_PRESETS:
+        raise ValueError(f"`attention` must be one of {sorted(ATTENTION_PRESETS)}, got {attention!r}")
+    kw = dict(num_layers=num_layers, block_size=block_size, steps=steps, warmup=max(1, steps // 10),
+              **ATTENTION_PRESETS[attention])
+    kw.update(overrides)
+    return DrafterTrainConfig(**kw)
+
+
+def train_live(target, data: dict, cfg: DrafterTrainConfig, probe: AcceptanceProbe, *, eval_every: int,
+               on_update=None, show_progress: bool = True) -> LiveRun:
+    """Train with ``train_drafter``; measure ``probe`` before and every ``eval_every`` steps.
+
+    on_update(run): called after every logged step and every measurement (redraw a figure).
+    ``eval_every`` is a multiple of ``cfg.log_every`` (the loop hands out the drafter at logged steps).
+    """
+    if eval_every < 1 or eval_every % cfg.log_every:
+        raise ValueError(f"`eval_every` ({eval_every}) must be a positive multiple of log_every ({cfg.log_every})")
+    run = LiveRun(cfg)
+    # Step 0: the drafter train_drafter starts from (same seed, same initialisation), untrained.
+    torch.manual_seed(cfg.seed)
+    untrained = DFlashLagunaDrafter(make_drafter_config(target.config, cfg)).to(next(target.parameters()).device)
+    run.evals.append((0, probe(untrained)))
+    continuation = {v.shape[1] - P for P, v in data.items()}.pop()
+
+    def callback(step, drafter, log):
+        run.log, run.drafter = log, drafter
+        if step % eval_every == 0 or step == cfg.steps:
+            run.evals.append((step, probe(drafter)))
+        if on_update is not None:
+            on_update(run)
+
+    run.drafter, run.log = train_drafter(target, data, cfg, continuation, callback=callback,
+                                         show_progress=show_progress)
+    if run.evals[-1][0] != run.log["steps"]:
+        run.evals.append((run.log["steps"], probe(run.drafter)))
+    run.log["eval_curve"] = [[s, st.mean_acceptance_length] for s, st in run.evals]
+    if on_update is not None:
+        on_update(run)
+    return run
