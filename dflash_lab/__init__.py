@@ -1,20 +1,33 @@
 """dflash_lab: DFlash speculative decoding on Laguna models, as a notebook lab.
 
-The package follows the data path of one DFlash step, a module per step:
+The package follows the data path of one DFlash step, a module per step, in this order:
 
-    config      the drafter's config.json, validated the way vLLM validates it
-    target      the Laguna target (transformers) and its aux hidden states
-    drafter     the DFlash drafter: combine_hidden_states, context K/V, block drafting
-    checkpoint  save/load in vLLM's DFlashLagunaForCausalLM layout (safetensors)
-    spec_decode draft -> verify -> accept, with vLLM's acceptance counters
-    metrics     the same counters read from a vLLM /metrics page
-    kv_specs    each layer's KV-cache spec (vLLM's classes) for Laguna+DFlash, MTP, Qwen3.5, DeepSeek-V4
-    kv_presets  the KV-cache chapter's models (Poolside's Laguna pairs among them)
-    kv_groups   how vLLM groups the KV cache of hybrid models, and the drafter's group
-    kv_engine   what vLLM 0.33's engine itself does with the groups (its annotation, checks)
-    kv_layout   the groups read back: rows for the figures, memory per group
-    viz         plotly figures from plain data
-    widgets     ipywidgets controls wired to those figures
+    runtime      plumbing at the bottom: paths, device/dtype, seeding, tokenizer, atomic writes
+    config       the drafter's config.json, resolved the way vLLM 0.33 resolves it (causality, ids, RoPE)
+    presets      real Poolside drafter/target configs (Laguna-S-2.1-DFlash, XS-2.1 shape), shrinkable
+    target       the Laguna target (transformers) and its aux hidden states
+    layers       RMSNorm and RoPE, the building blocks the drafter shares
+    drafter      the DFlash drafter: combine_hidden_states, the attention mask, block drafting
+    context_kv   the drafter's context K/V, three paths (reference, batched, folded) and one agreement rule
+    kernels      the fused Triton epilogue of the folded path (GPU)
+    checkpoint   save/load in vLLM's DFlashLagunaForCausalLM layout (safetensors)
+    spec_decode  draft -> verify -> accept: proposers, sampling rules, stats, the loop, the GPU fast path
+    metrics      the same counters read from a vLLM /metrics page
+    vllm_engine  vLLM's own engine (CPU build, second virtualenv) on the same checkpoints
+    kv_specs     each layer's KV-cache spec (vLLM's classes): Laguna+DFlash, MTP, Qwen3.5, DeepSeek-V4
+    kv_presets   the KV-cache chapter's models by name, and a user's config.json
+    kv_groups    vLLM's grouping of hybrid KV caches and the draft-group rules (#55390)
+    kv_engine    what vLLM 0.33's engine itself does with those groups
+    kv_layout    the groups read back: rows for the figures, memory per group
+    viz          plotly figures from plain data
+    widgets      ipywidgets controls wired to those figures
+    export       data out: statistics as CSV/JSON, figures as SVG/HTML
+    user_prompts your own prompts, from a file named by $DFLASH_LAB_PROMPTS
+    assets       the shipped pair and the held-out prompts
+    corpus       the training corpus and its held-out split by file path
+    train        the recipe: tokenizer, target, self-distillation data, the objective, evaluation
+    repro        offline, reproducible runs (network guard, rounding for nbval)
+    tools        benchmarks, the notebook report writer, comparison CLIs
 """
 
 __version__ = "0.1.0"

@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 import torch
 
-from dflash_lab.repro import rounded, seed_everything
+from dflash_lab.repro import rounded
+from dflash_lab.runtime import seed_everything
 
 REPO = Path(__file__).resolve().parents[1]
 SOURCES = sorted((REPO / "notebooks" / "src").glob("*.py"))
@@ -41,7 +42,7 @@ def test_notebook_source_seeds_and_asks_for_deterministic_kernels(source):
     text = source.read_text()
     assert "seed_everything(" in text or "torch.manual_seed(" in text, f"{source.name} sets no torch seed"
     assert "seed_everything(" in text or "use_deterministic_algorithms(" in text, (
-        f"{source.name} does not ask for deterministic algorithms (call dflash_lab.repro.seed_everything)"
+        f"{source.name} does not ask for deterministic algorithms (call dflash_lab.runtime.seed_everything)"
     )
 
 

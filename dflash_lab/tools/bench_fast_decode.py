@@ -150,7 +150,8 @@ def fast_markdown(records, phases=None, *, n_prompts: int, max_new_tokens: int) 
                 continue
             x = f" ({r['tokens_per_s'] / base['tokens_per_s']:.2f}x)" if base and method != "target_only" else ""
             tau = f", tau {r['mean_acceptance_length']:.2f}" if r["mean_acceptance_length"] else ""
-            cells.append(f"{r['tokens_per_s']:.0f}{x}{tau}")
+            v = r["tokens_per_s"]
+            cells.append(f"{v:.0f}{x}{tau}" if v >= 100 else f"{v:.1f}{x}{tau}")
         lines.append(f"| {method} | {block} | " + " | ".join(cells) + " |")
     same = [f"{r['method']} b{r['block_size']} batch {r['batch']}: {r['outputs_equal_graphs_off']}"
             for r in records if r["cuda_graphs"] and r.get("outputs_equal_graphs_off")]

@@ -142,8 +142,8 @@ def run_offline(prompts, runs, *, max_new_tokens: int = 64, seed: int = 0, targe
     if any(p is None for p in run_prompts.values()):
         raise ValueError("prompts is None: give prompts, or prompts= to every EngineRun")
     run_tokens = {r.name: r.max_new_tokens or max_new_tokens for r in runs}
-    python = vllm_python(venv)
     target_dir, drafter_dir = checkpoint_dirs(target, drafter, need_drafter=any(r.method == "dflash" for r in runs))
+    python = vllm_python(venv)
     longest = max(len(p) + run_tokens[r.name] + r.num_speculative_tokens + 1 for r in runs for p in run_prompts[r.name])
     job = {"target": str(target_dir), "drafter": str(drafter_dir) if drafter_dir else None,
            "dtype": dtype, "max_model_len": max_model_len or max(512, longest),

@@ -127,8 +127,8 @@ def serve(*, num_speculative_tokens: int = 15, method: str = "dflash", target=No
     missing .venv-vllm, a port in use, or a server that exits or never gets
     ready (e.g. vLLM rejects the drafter): its message quotes vLLM's own error.
     """
-    python = vllm_python(venv)
     target_dir, drafter_dir = checkpoint_dirs(target, drafter, need_drafter=method == "dflash")
+    python = vllm_python(venv)
     if port is None:
         port = free_port()
     check_port_free(port)

@@ -1,0 +1,85 @@
+"""The package's shape: a module per step, each small, no import cycles, plumbing at the bottom."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import dflash_lab
+
+PACKAGE = Path(dflash_lab.__file__).parent
+MAX_LINES = 420  # "no module over ~400 lines"
+
+
+def modules() -> dict[str, Path]:
+    """'dflash_lab.spec_decode.loop' -> its file, for every module of the package."""
+    found = {}
+    for file in PACKAGE.rglob("*.py"):
+        parts = file.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        found[name] = file
+    return found
+
+
+def top_level_imports(name: str, file: Path) -> set[str]:
+    """Lab modules imported at module level (imports inside functions are lazy on purpose)."""
+    tree = ast.parse(file.read_text())
+    package = name if file.name == "__init__.py" else name.rsplit(".", 1)[0]
+    out = set()
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if target.startswith("dflash_lab"):
+                out.add(target)
+                out.update(f"{target}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Import):
+            out.update(a.name for a in node.names if a.name.startswith("dflash_lab"))
+    return out
+
+
+def import_graph() -> dict[str, set[str]]:
+    mods = modules()
+    return {name: {t for t in top_level_imports(name, file) if t in mods and t != name} for name, file in mods.items()}
+
+
+def test_no_module_is_over_about_400_lines():
+    long = {name: n for name, file in modules().items() if (n := len(file.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"modules over {MAX_LINES} lines: {long}"
+
+
+def test_there_are_no_import_cycles():
+    graph = import_graph()
+    state: dict[str, int] = {}  # 1 visiting, 2 done
+
+    def visit(node, path):
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            if nxt.startswith(node + "."):
+                continue  # a package importing its own submodules is how packages work
+            if state.get(nxt) == 1:
+                raise AssertionError("import cycle: " + " -> ".join(path + [nxt]))
+            if state.get(nxt) is None:
+                visit(nxt, path + [nxt])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+
+
+def test_runtime_sits_at_the_bottom_of_the_import_graph():
+    assert import_graph()["dflash_lab.runtime"] == set()
+    text = (PACKAGE / "runtime.py").read_text()
+    assert "from ." not in text and "import dflash_lab" not in text
+
+
+def test_the_package_docstring_lists_every_module():
+    doc = dflash_lab.__doc__
+    listed = {line.split()[0] for line in doc.splitlines() if line.startswith("    ") and line.split()}
+    top = {name.split(".")[1] for name in modules() if name.count(".") >= 1}
+    assert top - listed == set(), f"modules missing from dflash_lab/__init__.py: {sorted(top - listed)}"
+    assert listed - top == set(), f"listed but not in the package: {sorted(listed - top)}"
