@@ -5,7 +5,7 @@ PYTHON ?= python3.11
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
--include mk/vllm.mk  # .venv-vllm (vLLM's CPU build) and `make serve`
+include mk/vllm.mk  # .venv-vllm (vLLM's CPU build) and `make serve`
 
 # Offline at run time; vLLM's grouping runs on the CPU.
 export HF_HUB_OFFLINE := 1

@@ -40,14 +40,15 @@ def flatten_stats(obj, name: str = "") -> list[tuple[str, SpecDecodeStats]]:
     return pairs
 
 
-def _jsonable(obj):
+def _jsonable(obj, name: str = ""):
     if isinstance(obj, SpecDecodeStats):
         return obj.to_dict()
     if isinstance(obj, dict):
-        return {str(k): _jsonable(v) for k, v in obj.items()}
+        return {str(k): _jsonable(v, f"{name} / {k}" if name else str(k)) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return [_jsonable(v) for v in obj]
-    raise TypeError(f"export_stats: cannot write {type(obj).__name__} (only SpecDecodeStats and dicts/lists of them)")
+        return [_jsonable(v, f"{name} / {i}" if name else str(i)) for i, v in enumerate(obj)]
+    raise TypeError(f"export_stats: cannot write {type(obj).__name__}" + (f" at {name!r}" if name else "")
+                    + " (only SpecDecodeStats and dicts/lists of them)")
 
 
 def export_stats(obj, path) -> Path:

@@ -678,6 +678,10 @@ def test_acceptance_explorer_reruns_and_redraws(pair):
     box.prompt_set.value = "b"
     box.temperature.value = 1.0
     assert "prompt lookup" in box.summary.value and "temperature 1.0" in box.summary.value
-    assert set(box.results) == {("DFlash", 8, 0.0, "a"), ("DFlash", 3, 0.0, "a"), ("prompt lookup", 3, 0.0, "a"),
-                                ("prompt lookup", 3, 0.0, "b"), ("prompt lookup", 3, 1.0, "b")}
+    assert {k[:3] + k[4:5] for k in box.results} == {  # (method, block, temperature, prompt set)
+        ("DFlash", 8, 0.0, "a"), ("DFlash", 3, 0.0, "a"), ("prompt lookup", 3, 0.0, "a"),
+        ("prompt lookup", 3, 0.0, "b"), ("prompt lookup", 3, 1.0, "b")}
     assert "drafted, accepted" in box.tokens.value
+    box.method.value, box.draft_sampling.value = "DFlash", "probabilistic"  # vLLM's draft_sample_method
+    assert ("DFlash", 3, 1.0, "probabilistic", "b", None) in box.results and "probabilistic drafts" in box.summary.value
+    assert box.stats() is box.results[("DFlash", 3, 1.0, "probabilistic", "b", None)][0]

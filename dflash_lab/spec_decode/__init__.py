@@ -10,9 +10,18 @@ One file per step, in data-path order (like vLLM's ``v1/spec_decode/``):
     loop       ``speculative_generate``: argument checks, the target's KV cache
                and verification forward, and the draft -> verify -> accept loop
 
+The same greedy decoding the way a server runs it on a GPU (same tokens):
+
+    static_target   the target's forward over a preallocated KV cache, no host syncs
+    static_drafter  the drafter step over preallocated context K/V
+    triton_ops      one-kernel norms for those forwards
+    cuda_graphs     capture a step once, replay it with one launch
+    batched         ``fast_generate`` / ``fast_generate_batch``: several prompts, ragged acceptance
+
 The comparison CLI lives in ``dflash_lab.tools.compare_drafters``.
 """
 
+from .batched import FastDecoder, fast_generate, fast_generate_batch
 from .loop import (
     SpecDecodeResult,
     SpecDecodeStep,
@@ -29,6 +38,8 @@ from .sampling import DRAFT_SAMPLE_METHODS, greedy_accept, logits_to_probs, reje
 from .stats import SpecDecodeStats
 
 __all__ = [
+    # the GPU fast path
+    "FastDecoder", "fast_generate", "fast_generate_batch",
     # proposers
     "DFlashContext", "dflash_draft_logits", "prompt_lookup", "PromptLookupDrafter",
     # sampling

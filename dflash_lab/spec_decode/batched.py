@@ -94,7 +94,9 @@ class FastDecoder:
         graphed = lambda fn: GraphedStep(fn, enabled=cuda_graphs, device=self.device, reset=self._reset, pool=pool)  # noqa: E731
         self.step = graphed(self._step)
         self.step_plain = graphed(self._step_without_drafts) if self.method == "ngram" else None
-        self.phases = {name: graphed(getattr(self, f"_{name}")) for name in PHASES} if phase_graphs else None
+        noop = {"append"} if self.method != "dflash" else set()  # an empty graph cannot be captured
+        self.phases = {name: GraphedStep(getattr(self, f"_{name}"), enabled=False, device=self.device) if name in noop
+                       else graphed(getattr(self, f"_{name}")) for name in PHASES} if phase_graphs else None
         self.cuda_graphs = self.step.captured
 
     # --- state -----------------------------------------------------------------

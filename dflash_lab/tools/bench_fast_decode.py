@@ -8,8 +8,11 @@ One record per (method, block size, batch, CUDA graphs on/off):
       outputs_equal_target_only (same batch and graphs setting), outputs_equal_graphs_off
 
 Every configuration runs the same prompts (the first ``n_prompts`` held-out
-prompts, each cut to its last 256 tokens) in chunks of ``batch``, after one
-untimed warm-up chunk; the clock covers prefill and decoding, host work included.
+prompts, each cut to its last 256 tokens) in chunks of ``batch``, after an
+untimed warm-up (every prompt once, then one full-length chunk: one-off costs
+such as Triton specialisations and cuDNN attention plans for each new prompt
+length stay out of the clock); the clock covers prefill and decoding, host work
+included.
 "Graphs off" launches the same kernels one by one from Python.
 
 ``phase_breakdown`` times each phase of a step (draft, verify, context-K/V
@@ -17,6 +20,8 @@ append, accept) as its own graph: where the time of a step goes.
 """
 
 from __future__ import annotations
+
+from datetime import datetime, timezone
 
 import torch
 
@@ -43,6 +48,7 @@ def measure_fast_decoding(target, drafter, prompts, *, batches, block_sizes, gra
     dtype = str(next(target.parameters()).dtype).replace("torch.", "")
     capacity = max(int(p.shape[-1]) for p in prompts) + max_new_tokens
     outputs, records = {}, []
+    measured = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     for batch in batches:
         chunks = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
         for cuda_graphs in graphs:
@@ -51,7 +57,11 @@ def measure_fast_decoding(target, drafter, prompts, *, batches, block_sizes, gra
                 dec = FastDecoder(target, _proposer(method, drafter), batch=batch, block_size=block, capacity=capacity,
                                   cuda_graphs=cuda_graphs)
                 setup_s = synchronized_time(device) - t0
-                dec.generate(chunks[0], max_new_tokens=max_new_tokens)  # warm-up: Triton compiles, allocator
+                # Warm-up, untimed: every prompt once (each new prompt length costs one-off work: Triton
+                # specialisations, cuDNN attention plans), then a full-length generation (the step shapes).
+                for chunk in chunks:
+                    dec.generate(chunk, max_new_tokens=min(2, max_new_tokens))
+                dec.generate(chunks[0], max_new_tokens=max_new_tokens)
                 results, steps = [], 0
                 t0 = synchronized_time(device)
                 for chunk in chunks:
@@ -69,7 +79,7 @@ def measure_fast_decoding(target, drafter, prompts, *, batches, block_sizes, gra
                     "tokens": stats.num_generated_tokens, "seconds": round(wall, 4), "batch_steps": steps,
                     "ms_per_batch_step": round(1e3 * wall / max(steps, 1), 4),
                     "target_forwards_per_token": round(stats.target_forwards_per_token, 4),
-                    "setup_s": round(setup_s, 3), "moe": dec.tgt.moe,
+                    "setup_s": round(setup_s, 3), "moe": dec.tgt.moe, "measured": measured,
                 }
                 ref = outputs.get(("target_only", 1, batch, cuda_graphs))
                 rec["outputs_equal_target_only"] = f"{sum(a == b for a, b in zip(outputs[key], ref))}/{len(ref)}"
@@ -136,7 +146,9 @@ def fast_markdown(records, phases=None, *, n_prompts: int, max_new_tokens: int) 
     lines = [f"## Measured: the static path, CUDA graphs on and off ({r0['device']}, {r0['dtype']}, greedy)", "",
              f"{n_prompts} held-out prompts (last 256 tokens each) x {max_new_tokens} new tokens, in batches; "
              "static KV caches, MoE as " + f"`{r0.get('moe', '?')}`" + ", one CUDA graph per step "
-             "(`dflash_lab.spec_decode.batched`). Clock: prefill + decoding + host work, after a warm-up batch. "
+             "(`dflash_lab.spec_decode.batched`). Clock: prefill + decoding + host work, after an untimed warm-up "
+             "(every prompt once). Runs: " + ", ".join(sorted({f"graphs {'on' if r['cuda_graphs'] else 'off'}: "
+                                                               f"{r.get('measured', '?')}" for r in records})) + ". "
              "tokens/s (x target-only at the same batch and graphs setting; tau = mean acceptance length):", "",
              "| method | block | " + " | ".join(f"batch {b}, graphs {'on' if g else 'off'}" for b, g in cols) + " |",
              "|---|---|" + "---|" * len(cols)]

@@ -9,8 +9,9 @@
 2. Projected (``bench_xs2``, GPU only): Laguna-XS.2's step times, graphed,
    with the measured acceptance.
 3. ``--eager-loop``: the same pair through ``speculative_generate`` (the eager
-   teaching loop, transformers' forward and DynamicCache); without it the
-   eager-loop rows of the previous run are carried over, marked as such.
+   teaching loop, transformers' forward and DynamicCache), under "shipped_pair"
+   (chapter 3 reads them); without it the previous run's rows are carried over,
+   marked as such.
 
 Writes benchmarks/spec_decode.{json,md}; the records under "records" carry
 method, block_size, batch, cuda_graphs, tokens_per_s, mean_acceptance_length
@@ -30,7 +31,7 @@ from ..runtime import BENCHMARKS_DIR, device_name, resolve_device, synchronized_
 from ..spec_decode import SpecDecodeStats, speculative_generate
 from .bench_common import write_results
 from .bench_fast_decode import fast_markdown, measure_fast_decoding, phase_breakdown, speedups
-from .bench_xs2 import project_graphed, xs2_graphed_times
+from .bench_xs2 import layer_read_floor_ms, project_graphed, xs2_graphed_times
 
 # ---------------------------------------------------------------------------
 # The shipped pair through the eager loop (speculative_generate)
@@ -115,6 +116,27 @@ def goal_check(records, block: int = 16) -> dict | None:
             "ahead_of_prompt_lookup": dflash["tokens_per_s"] > best["tokens_per_s"]}
 
 
+def gap_lines(result: dict) -> list[str]:
+    """Where the batch-1 speedup stops, from the phase graphs: the decode-only bound and what the clock adds."""
+    goal, phases = result.get("goal"), result.get("phases") or {}
+    d, t = phases.get("dflash"), phases.get("target_only")
+    rec = {(r["method"], r["block_size"]): r for r in result.get("records", []) if r["batch"] == 1 and r["cuda_graphs"]}
+    if not (goal and d and t and ("dflash", d["block_size"]) in rec):
+        return []
+    step = lambda p: sum(p[f"{k}_ms_per_step"] for k in ("draft", "verify", "append", "accept"))  # noqa: E731
+    tau = rec[("dflash", d["block_size"])]["mean_acceptance_length"]
+    sd, st = step(d), step(t)
+    overhead = d["draft_ms_per_step"] + d["append_ms_per_step"] + d["accept_ms_per_step"]
+    return ["", f"Why (GPU time per step, phase graphs): a DFlash step takes {sd:.3f} ms for tau = {tau:.2f} tokens, a "
+                f"target-only step {st:.3f} ms for 1 token, so decoding alone is bounded by tau x {st:.3f} / {sd:.3f} = "
+                f"{tau * st / sd:.2f}x. At 8.8 M parameters every kernel is latency-bound: verifying {d['block_size']} tokens "
+                f"costs {d['verify_ms_per_step'] / t['verify_ms_per_step']:.2f}x one token's forward, and drafting + context "
+                f"K/V + acceptance add {overhead:.3f} ms ({overhead / st:.2f} of a target-only step). 3x at this tau needs a "
+                f"DFlash step of at most {tau * st / 3:.3f} ms. The measured ratio ({goal['dflash_over_target_only']:.2f}x) "
+                "is lower still: each generation also runs an eager (not graphed) prefill of its prompt, a larger "
+                "share of DFlash's shorter decode."]
+
+
 def spec_decode_markdown(result: dict) -> str:
     lines = ["# Speculative decoding speed", ""]
     lines += fast_markdown(result.get("records", []), result.get("phases"), n_prompts=result["n_prompts"],
@@ -125,6 +147,7 @@ def spec_decode_markdown(result: dict) -> str:
                       f"{goal['dflash_over_target_only']:.2f}x (goal >= 3x: {'met' if goal['goal_3x_met'] else 'NOT met'}); "
                       f"DFlash / best prompt lookup (block {goal['best_prompt_lookup_block']}) = "
                       f"{goal['dflash_over_best_prompt_lookup']:.2f}x ({'ahead' if goal['ahead_of_prompt_lookup'] else 'behind'})."]
+    lines += gap_lines(result)
     proj = result.get("projection_graphed")
     if proj and proj.get("speedups"):
         g = proj["timings"]
@@ -143,6 +166,14 @@ def spec_decode_markdown(result: dict) -> str:
         for r in proj["speedups"]:
             lines.append(f"| {r['block_size']} | {r['tokens_per_step']:.3f} | {r['T_target_1_ms']:.3f} | "
                          f"{r['T_target_B_ms']:.3f} | {r['T_drafter_B_ms']:.3f} | {r['speedup']:.2f}x |")
+        per_layer = {int(b): v["graphed"]["per_layer_ms"] for b, v in g["target_per_block"].items()}
+        big = max(per_layer)
+        lines += ["", f"Read these as upper bounds. The graphed static path is itself launch-bound at this size: one "
+                      f"layer takes {per_layer[1]:.3f} ms for 1 token and {per_layer[big]:.3f} ms for {big}, while reading "
+                      f"the layer's weights once takes {layer_read_floor_ms(1):.3f} ms for 1 token and up to "
+                      f"{layer_read_floor_ms(big):.3f} ms for {big} (their {big} x top-8 expert choices, if distinct). An "
+                      "engine near that floor verifies a block at a higher multiple of a one-token decode than the "
+                      f"{per_layer[big] / per_layer[1]:.2f}x per layer measured here, and gains less from DFlash at batch 1."]
     old = result.get("projection_eager")
     if old and old.get("speedups"):
         best = {r["block_size"]: r for r in old["speedups"]}
@@ -150,9 +181,9 @@ def spec_decode_markdown(result: dict) -> str:
                       + "; ".join(f"block {b}: {r['wall']['speedup']:.2f}x from wall times, {r['kernels']['speedup']:.2f}x "
                                   "from summed kernel times" for b, r in sorted(best.items()) if "wall" in r and "kernels" in r)
                       + "."]
-    eager = result.get("eager_loop")
+    eager = result.get("shipped_pair")  # the eager loop's rows (chapter 3 reads them under this key)
     if eager:
-        note = " (carried over from an earlier run)" if result.get("eager_loop_carried_over") else ""
+        note = " (carried over from an earlier run)" if result.get("shipped_pair_carried_over") else ""
         lines += ["", f"## The eager teaching loop (`speculative_generate`){note}", "",
                   f"{eager[0]['device']}, {eager[0]['dtype']}, batch 1, transformers' forward and DynamicCache, no graphs.", "",
                   "| method | block | tokens/s | target forwards / token | tau | same output as target-only "
@@ -166,14 +197,10 @@ def spec_decode_markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _previous_eager(out: Path, stem: str) -> tuple[list[dict], dict | None]:
-    """Eager-loop rows and eager projection of the last committed run ("eager_loop" / "projection_eager",
-    or the older layout's "shipped_pair" / "projection")."""
+def _previous(out: Path, stem: str) -> dict:
+    """The last run's results in ``out`` (empty when there is none)."""
     path = out / f"{stem}.json"
-    if not path.is_file():
-        return [], None
-    old = json.loads(path.read_text())
-    return old.get("eager_loop") or old.get("shipped_pair") or [], old.get("projection_eager") or old.get("projection")
+    return json.loads(path.read_text()) if path.is_file() else {}
 
 
 def spec_decode(args) -> int:
@@ -183,7 +210,7 @@ def spec_decode(args) -> int:
     n_prompts = args.prompts or (8 if args.quick else 32)
     max_new = args.max_new_tokens or (32 if args.quick else 96)
     batches = args.batches or ([1, 4] if args.quick else [1, 8, 32])
-    graphs = (True, False) if device.type == "cuda" else (False,)
+    graphs = {"both": (True, False), "on": (True,), "off": (False,)}[args.graphs] if device.type == "cuda" else (False,)
     print(f"spec-decode on {device_name(device)}: blocks {blocks}, batches {batches}, {n_prompts} prompts x {max_new} tokens",
           flush=True)
     log = lambda s: print(s, flush=True)  # noqa: E731
@@ -191,7 +218,10 @@ def spec_decode(args) -> int:
     out = Path(args.out)
     result = {"n_prompts": n_prompts, "max_new_tokens": max_new, "records": [],
               "command": "python -m dflash_lab.tools.bench spec-decode" + (" --quick" if args.quick else "")}
-    previous, previous_projection = _previous_eager(out, stem)
+    last = _previous(out, stem)
+    previous = last.get("shipped_pair") or []  # eager-loop rows (the key chapter 3 reads)
+    previous_projection = last.get("projection_eager") or (last.get("projection") if "shipped_pair" in last else None)
+    kept = [r for r in last.get("records", []) if r["cuda_graphs"] not in graphs]  # the setting not re-measured
 
     def save():  # after every section: a timeout keeps what was measured
         return write_results(out, stem, result, spec_decode_markdown(result))
@@ -200,15 +230,21 @@ def spec_decode(args) -> int:
     prompts = held_out(tokenizer, n_prompts, 256, device)
     records = measure_fast_decoding(target, drafter, [p[0] for p in prompts], batches=batches, block_sizes=blocks,
                                     graphs=graphs, max_new_tokens=max_new, progress=log,
-                                    on_record=lambda rs: (result.update(records=list(rs)), save()))
+                                    on_record=lambda rs: (result.update(records=kept + list(rs)), save()))
+    records = sorted(kept + records, key=lambda r: (r["batch"], not r["cuda_graphs"]))
     result.update(records=records, speedups=speedups(records), goal=goal_check(records, max(blocks)))
     save()
     result["phases"] = phase_breakdown(target, drafter, [p[0] for p in prompts[:8]], block_size=max(blocks),
                                        max_new_tokens=max_new)
     save()
+    taus = {r["block_size"]: r["mean_acceptance_length"] for r in records
+            if r["method"] == "dflash" and r["batch"] == 1 and r["cuda_graphs"]}
+    if args.no_projection and last.get("projection_graphed", {}).get("timings"):  # the last run's timings, new tau
+        timings = last["projection_graphed"]["timings"]
+        timings["target_per_block"] = {int(k): v for k, v in timings["target_per_block"].items()}
+        timings["drafter_ms"] = {int(k): v for k, v in timings["drafter_ms"].items()}
+        result["projection_graphed"] = {"timings": timings, "speedups": project_graphed(taus, timings)}
     if not args.no_projection and device.type == "cuda":
-        taus = {r["block_size"]: r["mean_acceptance_length"] for r in records
-                if r["method"] == "dflash" and r["batch"] == 1 and r["cuda_graphs"]}
         try:
             timings = xs2_graphed_times(device=device, block_sizes=blocks, context=args.projection_context,
                                         drafter_layers=args.drafter_layers, progress=log)
@@ -218,11 +254,11 @@ def spec_decode(args) -> int:
             result["projection_error"] = f"{type(e).__name__}: {e}"
         save()
     if args.eager_loop:
-        result["eager_loop"] = measure_eager_loop(
+        result["shipped_pair"] = measure_eager_loop(
             target, drafter, prompts[:8], device=device, max_new_tokens=max_new, block_sizes=blocks, progress=log,
-            on_row=lambda rows: (result.update(eager_loop=list(rows)), save()))
+            on_row=lambda rows: (result.update(shipped_pair=list(rows)), save()))
     elif previous:
-        result.update(eager_loop=previous, eager_loop_carried_over=True)
+        result.update(shipped_pair=previous, shipped_pair_carried_over=True)
     if previous_projection:  # the eager (wall / profiler kernel-sum) projection of the earlier run, for comparison
         result["projection_eager"] = previous_projection
     paths = save()
@@ -240,7 +276,10 @@ def add_command(subparsers) -> None:
     p.add_argument("--max-new-tokens", type=int, help="tokens per prompt (default 96)")
     p.add_argument("--projection-context", type=int, default=2048, help="KV-cache length of the projection")
     p.add_argument("--drafter-layers", type=int, default=5, help="layers of the projected XS.2 drafter")
-    p.add_argument("--no-projection", action="store_true", help="skip the Laguna-XS.2 projection (GPU only)")
+    p.add_argument("--no-projection", action="store_true",
+                   help="skip timing the Laguna-XS.2 projection (GPU only); the last run's timings are reused with the new tau")
+    p.add_argument("--graphs", choices=["both", "on", "off"], default="both",
+                   help="CUDA graphs on, off or both (GPU); rows of the other setting are kept from the last run")
     p.add_argument("--eager-loop", action="store_true", help="also time speculative_generate (slow on a GPU)")
     p.add_argument("--device", help="default: $DFLASH_LAB_DEVICE, else cuda when present")
     p.add_argument("--out", default=str(BENCHMARKS_DIR), help="output folder (default benchmarks/)")

@@ -226,6 +226,19 @@ def xs2_graphed_times(*, device, block_sizes, context: int, drafter_layers: int,
             "drafter_ms": drafter_ms}
 
 
+def layer_read_floor_ms(block: int, bytes_per_s: float = 4.3e12, **config_overrides) -> float:
+    """Time to read one sparse Laguna-XS.2 layer's weights once for ``block`` tokens (bf16), at the
+    measured copy bandwidth: attention + shared expert, plus every routed expert the block may touch
+    (all distinct: min(E, block x top-k)). The floor a memory-bound engine approaches."""
+    c = LagunaConfig(**config_overrides)
+    H, hd = c.hidden_size, c.head_dim
+    attention = H * hd * (2 * c.num_attention_heads + 2 * c.num_key_value_heads) + H * c.num_attention_heads
+    expert = 3 * H * c.moe_intermediate_size
+    experts = min(c.num_experts, block * c.num_experts_per_tok)
+    params = attention + 3 * H * c.shared_expert_intermediate_size + experts * expert + c.num_experts * H
+    return 1e3 * 2 * params / bytes_per_s
+
+
 def project_graphed(taus: dict, graphed: dict, total_layers: int = 40) -> list[dict]:
     """speedup(B) = tau(B) x T_target(1) / (T_target(B) + T_drafter(B)), graphed timings."""
     key = f"{total_layers}_layers_ms"

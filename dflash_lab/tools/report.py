@@ -15,8 +15,9 @@ template and static renderings) writes ``reports/NAME.html``:
   sliders, dropdowns and toggles at their values, progress bars, HTML, and each
   plotly ``FigureWidget`` with the figure the kernel last held. (The 5 MB
   JavaScript bundle each FigureWidget carries is left out of the saved state.)
-  Nothing is fetched from the network, except MathJax for LaTeX in markdown,
-  which nbconvert's template loads from its CDN when there is one.
+  A view with controls says that it is a static snapshot of their last state.
+  Nothing is fetched from the network: nbconvert's MathJax and Mermaid loaders
+  (CDN scripts) are left out; the chapters write no LaTeX.
 
 ``reports/index.html`` links the pages. A notebook that fails prints the
 failing cell's traceback, gets no page (a stale one is removed), and makes the
@@ -47,7 +48,7 @@ from tqdm.auto import tqdm
 
 from ..repro import OFFLINE_ENV, write_ipython_startup
 from ..runtime import atomic_file
-from .report_html import ANSI, to_html
+from .report_html import ANSI, GLOSSARY, glossary_page, to_html
 
 # ---------------------------------------------------------------------------
 # Running a notebook
@@ -295,6 +296,9 @@ def build_report(notebooks: list[Path], out: Path, *, timeout: float, slow_cell:
             print(f"warning: {path.name} cell {i} ran {s:.0f}s without a progress bar (tqdm.auto)", file=sys.stderr)
         entries.append(entry)
         write_atomic(out / "index.html", index_html(entries))  # the index is current after each notebook
+    for folder in dict.fromkeys(path.parent for path in notebooks):  # the glossary the chapters link to
+        if (folder / GLOSSARY).is_file():
+            write_atomic(out / "GLOSSARY.html", glossary_page((folder / GLOSSARY).read_text()))
     return entries
 
 

@@ -3,7 +3,10 @@
 Used by ``tools.report``: plotly figures become divs drawn by the page's one
 inlined copy of plotly.js; each widget view is drawn from its saved state as a
 static snapshot (sliders, dropdowns and toggles at their values, progress bars,
-HTML, and each plotly ``FigureWidget`` with the figure the kernel last held).
+HTML, and each plotly ``FigureWidget`` with the figure the kernel last held), and a
+view that holds controls says so: they show the last state and do not respond.
+The page requests nothing from the network: no MathJax (the chapters write no LaTeX)
+and no Mermaid, whose loaders nbconvert's template would fetch from a CDN.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import jinja2
 import plotly.io as pio
 import plotly.offline
 from nbconvert import HTMLExporter
+from nbconvert.filters.markdown_mistune import markdown2html_mistune
 
 PLOTLY_MIME = "application/vnd.plotly.v1+json"
 WIDGET_VIEW_MIME = "application/vnd.jupyter.widget-view+json"
@@ -131,6 +135,26 @@ def output_html(output: dict, figures: dict) -> str:
     return f'<pre class="dflash-w-stream">{html.escape(data.get("text/plain", ""))}</pre>'
 
 
+# Widget models a reader would try to use: in a report they are pictures of their last state.
+CONTROL_MODELS = ("SliderModel", "DropdownModel", "ToggleButtonsModel", "RadioButtonsModel", "CheckboxModel",
+                  "ToggleButtonModel", "TextModel", "TextareaModel", "ButtonModel", "PlayModel", "SelectModel",
+                  "SelectMultipleModel", "IntTextModel", "FloatTextModel", "BoundedIntTextModel",
+                  "BoundedFloatTextModel", "ComboboxModel")
+SNAPSHOT_NOTE = ('<div class="dflash-w-snapshot-note">Static snapshot: these controls show their last state and do '
+                 "not respond in this page. Open the notebook in JupyterLab to use them.</div>")
+
+
+def has_controls(model_id: str, models: dict, _depth: int = 0) -> bool:
+    """Whether the widget ``model_id`` (or any child) is a control a reader would try to move."""
+    model = models.get(model_id)
+    if model is None or _depth > 50:
+        return False
+    if model.get("model_name", "").endswith(CONTROL_MODELS):
+        return True
+    return any(has_controls(str(c).removeprefix("IPY_MODEL_"), models, _depth + 1)
+               for c in model.get("state", {}).get("children", []))
+
+
 def prepare_for_html(nb, figures: dict) -> None:
     """Give every figure and widget output a static rendering; slim the saved widget state."""
     state = nb.metadata.get("widgets", {}).get(WIDGET_STATE_MIME, {})
@@ -143,7 +167,8 @@ def prepare_for_html(nb, figures: dict) -> None:
                 del data[PLOTLY_MIME]  # drawn by the text/html above
             if WIDGET_VIEW_MIME in data:
                 model_id = data[WIDGET_VIEW_MIME].get("model_id", "")
-                out.setdefault("metadata", {})["dflash_lab_static_html"] = widget_html(model_id, models, figures)
+                note = SNAPSHOT_NOTE if has_controls(model_id, models) else ""
+                out.setdefault("metadata", {})["dflash_lab_static_html"] = note + widget_html(model_id, models, figures)
     for model_id, model in models.items():
         if model_id in figures or "_esm" in model.get("state", {}):
             # the anywidget bundle (plotly.js again, ~5 MB per figure): the page draws from its own copy
@@ -159,6 +184,8 @@ REPORT_TEMPLATE = r"""
 <script type="text/javascript">{{ resources.dflash_lab_plotly_js }}</script>
 {%- endblock html_head_js -%}
 {% block jupyter_widgets %}{% endblock jupyter_widgets %}
+{%- block html_head_js_mathjax -%}{%- endblock html_head_js_mathjax -%}
+{%- block html_head_js_mermaidjs -%}{%- endblock html_head_js_mermaidjs -%}
 {% block extra_css %}
 <style type="text/css">
 .dflash-widget-snapshot { font-family: var(--jp-ui-font-family); font-size: var(--jp-ui-font-size1); }
@@ -172,6 +199,8 @@ REPORT_TEMPLATE = r"""
 .dflash-w-tab-title { font-weight: bold; margin-top: 6px; }
 .dflash-w-stream { margin: 0; }
 .dflash-w-missing { color: #999; font-style: italic; }
+.dflash-w-snapshot-note { font-size: 12px; color: #555; background: #fff7e0; border-left: 3px solid #E69F00;
+                          padding: 2px 8px; margin: 2px 0 4px 0; }
 .dflash-w-html progress { width: 200px; }
 </style>
 {% endblock extra_css %}
@@ -186,8 +215,20 @@ REPORT_TEMPLATE = r"""
 """
 
 
+GLOSSARY = "GLOSSARY.md"  # notebooks/GLOSSARY.md: chapters link to it as GLOSSARY.md#anchor
+
+
+def glossary_page(markdown_text: str) -> str:
+    """The glossary as a small self-contained HTML page (its <a id> anchors kept)."""
+    body = markdown2html_mistune(markdown_text)
+    return ('<!doctype html><html><head><meta charset="utf-8"><title>Glossary</title><style>body{font-family:'
+            'sans-serif;max-width:52em;margin:2em auto;line-height:1.5} code{background:#f4f4f4}</style></head>'
+            f"<body>{body}</body></html>")
+
+
 def to_html(nb, figures: dict, title: str) -> str:
-    """The executed notebook as one self-contained page (plotly.js inlined, widgets drawn statically)."""
+    """The executed notebook as one self-contained page (plotly.js inlined, widgets drawn statically);
+    links to the glossary point at the report's own GLOSSARY.html."""
     prepare_for_html(nb, figures)
     exporter = HTMLExporter(
         template_name="lab",
@@ -196,4 +237,4 @@ def to_html(nb, figures: dict, title: str) -> str:
     )
     resources = {"metadata": {"name": title}, "dflash_lab_plotly_js": plotly.offline.get_plotlyjs()}
     body, _ = exporter.from_notebook_node(nb, resources=resources)
-    return body
+    return body.replace(f'href="{GLOSSARY}', 'href="GLOSSARY.html')

@@ -107,6 +107,9 @@ def add_distill_options(sp) -> None:
     sp.add_argument("--min-distinct", type=int, default=DistillConfig.min_distinct,
                     help="drop continuations with fewer distinct tokens (degenerate repetition)")
     sp.add_argument("--data", default=None, help="self-distillation data file (.safetensors): read if present, else written")
+    sp.add_argument("--prefix-sources", default=None,
+                    help="where prefixes come from, as stream=share pairs, e.g. distill=0.5,train_stdlib=0.5 "
+                         "(streams: train, distill and their *_stdlib parts; default distill=0.5,train=0.5)")
 
 
 def resolve_attention(args) -> None:

@@ -83,6 +83,7 @@ class Clock:
 
 
 PACE_FROM, PACE_TO = 10, 30  # steps between which the pace is measured (after warm-up effects)
+REFIT_EVERY = 100  # drafter training re-fits its step count to the time left this often
 
 
 def fit_steps(planned: int, done: int, seconds_per_step: float, seconds_left: float) -> int:

@@ -49,6 +49,7 @@ class DistillConfig:
     num_sequences: int = 200_000
     gen_batch: int = 4096
     distill_share: float = 0.5  # fraction of prefixes from files the target never saw
+    sources: dict | None = None  # {corpus stream: share of prefixes}; None: distill_share of "distill", rest "train"
     min_distinct: int = 8
     seed: int = 1
 
@@ -65,17 +66,21 @@ def build_distill_data(target, tokenizer, streams: dict, cfg: DistillConfig, *, 
     device = next(target.parameters()).device
     rng = np.random.default_rng(cfg.seed)
     nl = newline_token_ids(tokenizer)
-    pools = {name: (streams[name], cut_points(streams[name], nl, max(cfg.prefix_lengths)))
-             for name in ("distill", "train")}
+    shares = cfg.sources or {"distill": cfg.distill_share, "train": 1 - cfg.distill_share}
+    missing = sorted(set(shares) - set(streams))
+    if missing:
+        raise ValueError(f"prefix sources {missing} are not corpus streams (have {sorted(streams)})")
+    pools = {name: (streams[name], cut_points(streams[name], nl, max(cfg.prefix_lengths))) for name in shares}
+    counts = np.floor(np.cumsum([0.0] + [shares[k] / sum(shares.values()) for k in shares]) * cfg.gen_batch + 0.5)
+    per_batch = dict(zip(shares, np.diff(counts).astype(int)))  # prefixes per source in every batch
     data: dict[int, list[torch.Tensor]] = {p: [] for p in cfg.prefix_lengths}
     made = dropped = batches = 0
     bar = progress(cfg.num_sequences, "self-distillation data", disable=not show_progress)
     max_batches = 3 * math.ceil(cfg.num_sequences / cfg.gen_batch) + 2  # in case most come out degenerate
     while made < cfg.num_sequences and clock.left() > 0 and batches < max_batches:
         P = cfg.prefix_lengths[batches % len(cfg.prefix_lengths)]
-        n_distill = int(round(cfg.gen_batch * cfg.distill_share))
         prefixes = []
-        for name, n in (("distill", n_distill), ("train", cfg.gen_batch - n_distill)):
+        for name, n in per_batch.items():
             stream, ends = pools[name]
             e = rng.choice(ends, size=n)
             prefixes.append(stream[e[:, None] - P + np.arange(P)])  # (n, P)

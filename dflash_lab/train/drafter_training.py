@@ -21,7 +21,7 @@ from ..config import LAYER_TYPES, DFlashDrafterConfig
 from ..drafter import DFlashLagunaDrafter
 from ..runtime import load_tokenizer, resolve_device, seed_everything, synchronized_time
 from ..target import load_target, target_layer_ids_spread
-from .common import (LOG_NAME, PACE_FROM, PACE_TO, Clock, ensure_experts_implementation, fit_steps, freeze, lr_at,
+from .common import (LOG_NAME, PACE_FROM, PACE_TO, REFIT_EVERY, Clock, ensure_experts_implementation, fit_steps, freeze, lr_at,
                      progress, run_info, write_log)
 from .distill import DistillConfig, build_distill_data, load_distill_data, load_distill_stats, save_distill_data
 from .evaluate import evaluate_acceptance, load_pair_for_eval, print_acceptance
@@ -131,7 +131,9 @@ def _train_drafter(target, data, cfg, continuation, clock, device, init, callbac
         dcfg = make_drafter_config(target.config, cfg)
         drafter = DFlashLagunaDrafter(dcfg).to(device).train()
     layer_ids = dcfg.target_layer_ids
-    groups = [(P, torch.from_numpy(v.astype(np.int32)).to(device)) for P, v in sorted(data.items())]
+    if not any(v.shape[0] for v in data.values()):
+        raise ValueError("no self-distillation sequences to train on (were they all degenerate? see --min-distinct)")
+    groups = [(P, torch.from_numpy(v.astype(np.int32)).to(device)) for P, v in sorted(data.items()) if v.shape[0]]
     caches = [TargetFeatureCache(target, pool, layer_ids) if cfg.cache_target_features else None for _, pool in groups]
     sizes = torch.tensor([g[1].shape[0] for g in groups], dtype=torch.float)
     bs, autocast = cfg.block_size, device.type == "cuda"
@@ -147,7 +149,7 @@ def _train_drafter(target, data, cfg, continuation, clock, device, init, callbac
            "train_sequences": int(sizes.sum()), "loss_curve": [], "accuracy_curve": [], "eval_curve": []}
     total = cfg.steps
     bar = progress(total, "drafter", disable=not show_progress)
-    loop_start, step, seqs_seen, pace = time.perf_counter(), 0, 0, []
+    loop_start, step, seqs_seen, pace_start = time.perf_counter(), 0, 0, None
     while step < total:
         lr = lr_at(step, total, cfg.lr, cfg.warmup, floor=0.05)
         for g in opt.param_groups:
@@ -174,12 +176,14 @@ def _train_drafter(target, data, cfg, continuation, clock, device, init, callbac
         opt.zero_grad(set_to_none=True)
         step += 1
         seqs_seen += cfg.batch_size
-        if step in (PACE_FROM, PACE_TO):
-            pace.append(synchronized_time(device))
-            if step == PACE_TO:
-                per_step = (pace[1] - pace[0]) / (PACE_TO - PACE_FROM) * 1.03
-                total = fit_steps(cfg.steps, step, per_step, clock.left())
-                bar.total = total
+        if step == PACE_FROM:
+            pace_start = synchronized_time(device)
+        elif step >= PACE_TO and (step == PACE_TO or step % REFIT_EVERY == 0) and clock.budget_s is not None:
+            # Fit the step count (and so the lr schedule) to the time left; refit as the pace drifts
+            # (another job on the same GPU, evaluation callbacks).
+            per_step = (synchronized_time(device) - pace_start) / (step - PACE_FROM) * 1.03
+            total = fit_steps(cfg.steps, step, per_step, clock.left())
+            bar.total = total
         if step % cfg.log_every == 0 or step == total:
             log["loss_curve"].append([step, round(loss.item(), 4), lr])
             log["accuracy_curve"].append([step, [round(a, 4) for a in agree.tolist()]])
@@ -198,8 +202,14 @@ def _train_drafter(target, data, cfg, continuation, clock, device, init, callbac
 
 
 def distill_config(args) -> DistillConfig:
+    sources = None
+    if args.prefix_sources:
+        try:
+            sources = {k.strip(): float(v) for k, v in (pair.split("=") for pair in args.prefix_sources.split(","))}
+        except ValueError:
+            raise ValueError(f"--prefix-sources must look like distill=0.5,train=0.5, got {args.prefix_sources!r}") from None
     return DistillConfig(num_sequences=args.num_sequences, continuation=args.continuation, gen_batch=args.gen_batch,
-                         min_distinct=args.min_distinct, seed=args.seed + 1)
+                         min_distinct=args.min_distinct, seed=args.seed + 1, sources=sources)
 
 
 def load_frozen_target(path, device):

@@ -57,6 +57,7 @@ class LiveRun:
     evals: list = field(default_factory=list)  # [(step, SpecDecodeStats)], step 0 = before training
     log: dict = field(default_factory=dict)
     drafter: object = None
+    initial: object = None  # the untrained drafter it started from (same seed), for before/after comparisons
 
     @property
     def before(self) -> SpecDecodeStats:
@@ -91,21 +92,22 @@ def train_live(target, data: dict, cfg: DrafterTrainConfig, probe: AcceptancePro
     run = LiveRun(cfg)
     # Step 0: the drafter train_drafter starts from (same seed, same initialisation), untrained.
     torch.manual_seed(cfg.seed)
-    untrained = DFlashLagunaDrafter(make_drafter_config(target.config, cfg)).to(next(target.parameters()).device)
-    run.evals.append((0, probe(untrained)))
+    run.initial = DFlashLagunaDrafter(make_drafter_config(target.config, cfg)).to(next(target.parameters()).device).eval()
+    run.evals.append((0, probe(run.initial)))
     continuation = {v.shape[1] - P for P, v in data.items()}.pop()
 
     def callback(step, drafter, log):
         run.log, run.drafter = log, drafter
-        if step % eval_every == 0 or step == cfg.steps:
+        if step % eval_every == 0 and step < cfg.steps:
             run.evals.append((step, probe(drafter)))
         if on_update is not None:
             on_update(run)
 
     run.drafter, run.log = train_drafter(target, data, cfg, continuation, callback=callback,
                                          show_progress=show_progress)
-    if run.evals[-1][0] != run.log["steps"]:
-        run.evals.append((run.log["steps"], probe(run.drafter)))
+    # The last measurement after the loop: in the arithmetic the trained drafter is served with
+    # (train_drafter lets float32 matmuls use TF32 on a GPU while it runs).
+    run.evals.append((run.log["steps"], probe(run.drafter)))
     run.log["eval_curve"] = [[s, st.mean_acceptance_length] for s, st in run.evals]
     if on_update is not None:
         on_update(run)

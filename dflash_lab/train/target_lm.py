@@ -44,8 +44,8 @@ def token_stream(tokenizer, files) -> np.ndarray:
 
 
 def corpus_streams(tokenizer, corpus_root, prompts) -> dict[str, np.ndarray]:
-    """Token streams of the three splits (+ ``heldout_stdlib``). Train and distill drop any file holding a
-    held-out prompt, or repeating three lines of one.
+    """Token streams of the three splits, and of their stdlib files alone (``heldout_stdlib``, ...).
+    Train and distill drop any file holding a held-out prompt, or repeating three lines of one.
 
     corpus_root: a directory of ``.py`` files (default: the stdlib), or a corpus pack
     (``code_corpus.save_corpus_pack``), whose tokens are cached beside it.
@@ -63,11 +63,17 @@ def corpus_streams(tokenizer, corpus_root, prompts) -> dict[str, np.ndarray]:
     splits = corpus.by_split(files)
     for name in ("train", "distill"):
         splits[name] = code_corpus.drop_prompt_overlap(corpus.drop_files_containing(splits[name], prompts), prompts)
-    # The held-out prompts come from the stdlib: its held-out files alone give the comparable perplexity.
-    splits["heldout_stdlib"] = [f for f in splits["heldout"] if f.relpath in stdlib]
+    # The held-out prompts come from the stdlib: its files alone give the comparable perplexity, and
+    # self-distillation can draw prefixes from them (DistillConfig.sources).
+    for name in ("heldout", "distill", "train"):
+        splits[f"{name}_stdlib"] = [f for f in splits[name] if f.relpath in stdlib]
     streams = {name: token_stream(tokenizer, files) for name, files in splits.items()}
     if cache is not None:
-        atomic_file(cache, lambda tmp: np.savez(open(tmp, "wb"), **streams))
+        def write(tmp):
+            with open(tmp, "wb") as fh:
+                np.savez(fh, **streams)
+
+        atomic_file(cache, write)
     return streams
 
 

@@ -11,6 +11,7 @@ model outputs themselves; they draw what they are given.
     kv_groups   chapter 4: hybrid KV-cache groups and their memory
     kernels     chapter 5: context-K/V timings and acceptance per sliding window
     training    training logs (loss curves, per-position agreement)
+    training_live  chapter 6: a drafter's loss and held-out acceptance while it trains
 """
 
 from dflash_lab.viz.common import METHOD_COLOR_NAMES, METHOD_COLORS, PALETTE, method_color, save_figure
@@ -45,6 +46,8 @@ from dflash_lab.viz.step_through import step_through_html, step_verdicts
 from dflash_lab.viz.kv_groups import KV_KIND_COLORS, kv_group_layout_figure, kv_group_memory_figure
 from dflash_lab.viz.kernels import CONTEXT_KV_PATH_STYLE, context_kv_timing_figure, window_acceptance_figure
 from dflash_lab.viz.training import plot_training_log, read_training_log
+from dflash_lab.viz.speed import speedup_vs_tau_figure, step_time_figure  # noqa: F401  (chapter 5: measured speed)
+from dflash_lab.viz.training_live import drafter_comparison_figure, live_training_figure, update_live_training_figure
 
 __all__ = [
     "PALETTE", "METHOD_COLORS", "METHOD_COLOR_NAMES", "method_color", "save_figure",
@@ -58,4 +61,5 @@ __all__ = [
     "KV_KIND_COLORS", "kv_group_layout_figure", "kv_group_memory_figure",
     "CONTEXT_KV_PATH_STYLE", "context_kv_timing_figure", "window_acceptance_figure",
     "plot_training_log", "read_training_log",
+    "drafter_comparison_figure", "live_training_figure", "update_live_training_figure",
 ]

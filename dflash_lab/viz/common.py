@@ -34,15 +34,27 @@ def _positions_axis(positions, n: int):
     return list(range(n)) if positions is None else [int(p) for p in _array(positions)]
 
 
-def _side_by_side(left: go.Heatmap, right: go.Heatmap, titles, *, title: str, height: int) -> go.Figure:
-    """Two heatmaps with their own colour bars."""
-    fig = make_subplots(rows=1, cols=2, subplot_titles=titles, horizontal_spacing=0.12)
-    left.update(colorbar=dict(x=0.44, thickness=12))
-    right.update(colorbar=dict(x=1.0, thickness=12))
+def _side_by_side(left: go.Heatmap, right: go.Heatmap, titles, *, title: str, height: int,
+                  colorbar_titles=(None, None), shared_scale: bool = False) -> go.Figure:
+    """Two heatmaps, each colour bar titled and clear of the other plot (or one shared bar)."""
+    gap = 0.2
+    fig = make_subplots(rows=1, cols=2, subplot_titles=titles, horizontal_spacing=gap)
+    edge = (1 - gap) / 2  # right edge of the left plot, in paper units
+    left.update(colorbar=dict(x=edge + 0.01, xanchor="left", thickness=12, len=0.9,
+                              title=dict(text=colorbar_titles[0] or "", side="right")))
+    right.update(colorbar=dict(x=1.01, xanchor="left", thickness=12, len=0.9,
+                               title=dict(text=colorbar_titles[1] or "", side="right")))
+    if shared_scale:  # one scale for both: the right map's bar tells it all
+        lo = min(float(np.nanmin(left.z)), float(np.nanmin(right.z)))
+        hi = max(float(np.nanmax(left.z)), float(np.nanmax(right.z)))
+        left.update(zmin=lo, zmax=hi, showscale=False)
+        right.update(zmin=lo, zmax=hi, colorscale=left.colorscale)
     fig.add_trace(left, 1, 1)
     fig.add_trace(right, 1, 2)
-    fig.update_layout(title=title, height=height, margin=dict(l=10, r=10, t=80, b=10))
     fig.update_xaxes(title_text="context position")
+    fig.update_yaxes(automargin=True)
+    titled(fig, title, height=height, width_chars=100)
+    fig.update_layout(margin=dict(r=90))
     return fig
 
 

@@ -5,20 +5,32 @@ Timing records are benchmarks/context_kv.json's: {"path", "layers", "context", "
 
 from __future__ import annotations
 
+import math
+
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from dflash_lab.viz.common import PALETTE, _tau
+from dflash_lab.viz.common import PALETTE, _tau, titled
 
 # path -> (label, colour), in the order the legend lists them
 CONTEXT_KV_PATH_STYLE = {
-    "reference": ("reference (per-layer loop)", PALETTE["grey"]),
+    "reference": ("reference (per-layer loop)", "#6e6e6e"),
     "batched": ("batched (vLLM's structure, eager)", PALETTE["sky"]),
     "batched_compiled": ("batched + torch.compile", PALETTE["blue"]),
-    "folded": ("folded (torch)", PALETTE["yellow"]),
+    "folded": ("folded (torch)", "#b07d00"),  # a dark gold: yellow bars vanish on white
     "folded_triton": ("folded + fused Triton epilogue", PALETTE["green"]),
     "gemm_floor": ("the GEMM alone (floor)", "black"),
 }
+
+
+def decade_ticks(values) -> dict:
+    """Axis settings for a log axis: a tick at every power of ten the values span, labelled plainly."""
+    finite = [v for v in values if v is not None and v > 0]
+    if not finite:
+        return {}
+    lo, hi = math.floor(math.log10(min(finite))), math.ceil(math.log10(max(finite)))
+    ticks = [10.0 ** e for e in range(lo, hi + 1)]
+    return dict(tickvals=ticks, ticktext=[f"{t:g}" for t in ticks], minor=dict(showgrid=True, gridcolor="#eeeeee"))
 
 
 def _tokens_label(n: int) -> str:
@@ -40,6 +52,7 @@ def context_kv_timing_figure(records, *, layers: int = 5, highlight: str | None 
     floor = [ms.get(("gemm_floor", n)) for n in contexts]
     xs = [_tokens_label(n) for n in contexts]
     fig = make_subplots(rows=1, cols=2, subplot_titles=("median time (ms)", "time / GEMM floor"), horizontal_spacing=0.1)
+    all_ms, all_ratio = [], []
     for path, (label, colour) in CONTEXT_KV_PATH_STYLE.items():
         ys = [ms.get((path, n)) for n in contexts]
         if all(y is None for y in ys):
@@ -52,19 +65,20 @@ def context_kv_timing_figure(records, *, layers: int = 5, highlight: str | None 
         opacity = 1.0 if highlight in (None, path) else 0.25
         hover = "N = %{x}: %{customdata[0]:.3f} ms, %{customdata[1]:.2f}× the floor<extra>" + label + "</extra>"
         custom = [[y, r] for y, r in zip(ys, ratio)]
-        fig.add_trace(go.Bar(x=xs, y=ys, name=label, legendgroup=path, marker_color=colour, opacity=opacity,
+        marker = dict(color=colour, opacity=opacity, line=dict(color="black", width=0.6))
+        fig.add_trace(go.Bar(x=xs, y=ys, name=label, legendgroup=path, marker=marker,
                              customdata=custom, hovertemplate=hover), 1, 1)
-        fig.add_trace(go.Bar(x=xs, y=ratio, name=label, legendgroup=path, marker_color=colour, opacity=opacity,
+        fig.add_trace(go.Bar(x=xs, y=ratio, name=label, legendgroup=path, marker=marker,
                              showlegend=False, customdata=custom, hovertemplate=hover), 1, 2)
+        all_ms += [y for y in ys if y]
+        all_ratio += [r for r in ratio if r]
     fig.add_hline(y=1, line=dict(color="black", dash="dash"), row=1, col=2)
-    fig.update_layout(
-        title=title or f"Context K/V precompute, {layers} drafter layers · {rows[0].get('device', '?')}",
-        barmode="group", height=430, legend=dict(orientation="h", y=-0.22), margin=dict(l=10, r=10, t=80, b=10),
-    )
-    fig.update_yaxes(type="log", title_text="ms", row=1, col=1)
-    fig.update_yaxes(type="log", title_text="× floor", row=1, col=2)
+    fig.update_layout(barmode="group", legend=dict(orientation="h", y=-0.22))
+    fig.update_yaxes(type="log", title_text="ms (log scale)", row=1, col=1, **decade_ticks(all_ms + floor))
+    fig.update_yaxes(type="log", title_text="× floor (log scale)", row=1, col=2, **decade_ticks(all_ratio + [1.0]))
     fig.update_xaxes(title_text="context tokens N")
-    return fig
+    return titled(fig, title or f"Context K/V precompute, {layers} drafter layers · {rows[0].get('device', '?')}",
+                  height=450)
 
 
 def window_acceptance_figure(stats_by_window: dict, *, title: str | None = None) -> go.Figure:
@@ -87,9 +101,8 @@ def window_acceptance_figure(stats_by_window: dict, *, title: str | None = None)
         fig.add_hline(y=full.mean_acceptance_length, line=dict(color=PALETTE["blue"], dash="dash"),
                       annotation_text=f"full attention: {_tau(full)}", annotation_position="bottom right")
     fig.update_layout(
-        title=title or "Acceptance with the drafter's attention limited to a window",
-        xaxis=dict(title="window (tokens a block query may look back)", type="log", tickvals=windows),
-        yaxis=dict(title="mean acceptance length τ", rangemode="tozero"),
-        height=360, margin=dict(l=10, r=10, t=60, b=10), showlegend=False,
+        xaxis=dict(title="window (tokens a block query may see; log scale)", type="log", tickvals=windows,
+                   ticktext=[str(w) for w in windows]),
+        yaxis=dict(title="mean acceptance length τ", rangemode="tozero"), showlegend=False,
     )
-    return fig
+    return titled(fig, title or "Acceptance with the drafter's attention limited to a window", height=360)

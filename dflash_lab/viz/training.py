@@ -9,7 +9,7 @@ from pathlib import Path
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from dflash_lab.viz.common import PALETTE
+from dflash_lab.viz.common import PALETTE, titled
 
 
 def read_training_log(log) -> dict:
@@ -74,6 +74,5 @@ def plot_training_log(log, *, title: str | None = None) -> go.Figure:
                                      hovertemplate="position %{x}: %{y:.2f}<extra>held-out</extra>"), 1, 2)
         fig.update_xaxes(title_text="block position j", row=1, col=2)
         fig.update_yaxes(title_text="rate", range=[0, 1], row=1, col=2)
-    fig.update_layout(title=title or f"{stage} training: {_training_summary(log)}", height=380,
-                      margin=dict(l=10, r=10, t=70, b=10), legend=dict(orientation="h", y=-0.2))
-    return fig
+    fig.update_layout(legend=dict(orientation="h", y=-0.25))
+    return titled(fig, title or f"{stage} training: {_training_summary(log)}", height=400, width_chars=100)

@@ -79,7 +79,7 @@ def run_one(job: dict, run: dict) -> dict:
         max_model_len=int(job.get("max_model_len", 512)),
         kv_cache_memory_bytes=int(job.get("kv_cache_memory_bytes", 512 * 2**20)),  # not a RAM share
         enforce_eager=bool(job.get("enforce_eager", True)),
-        seed=int(job.get("seed", 0)),
+        seed=int(job.get("seed") or 0),
         speculative_config=speculative_config(run, job.get("drafter")),
         disable_log_stats=False,  # the spec-decode counters are stats
         per_request_spec_decode_metrics="detailed" if run.get("method") else "none",  # accepted/drafted per step
@@ -88,9 +88,10 @@ def run_one(job: dict, run: dict) -> dict:
         distributed_executor_backend="uni" if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0" else None,
     )
     engine_start_s = time.perf_counter() - t0
-    seed = int(run.get("seed", job.get("seed", 0)))
+    seed = run.get("seed", job.get("seed"))  # None: vLLM's global generator, no per-request one
     params = [SamplingParams(temperature=float(run.get("temperature", 0.0)), max_tokens=int(run["max_new_tokens"]),
-                             ignore_eos=True, detokenize=False, seed=seed + i)  # prompt i: seed + i, like the lab
+                             ignore_eos=True, detokenize=False,
+                             seed=None if seed is None else int(seed) + i)  # prompt i: seed + i, like the lab
               for i in range(len(run["prompts"]))]
     prompts = [TokensPrompt(prompt_token_ids=list(map(int, p))) for p in run["prompts"]]
     before = spec_decode_exposition() if run.get("method") else ""

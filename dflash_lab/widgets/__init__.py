@@ -10,6 +10,7 @@ and hands the result to a viz function. One module per chapter:
     step_through chapters 1 and 3: step_through (a step slider over one generation)
     kv_groups   chapter 4: kv_groups_explorer
     kernels     chapter 5: fused_kernel_explorer, window_acceptance_explorer
+    training    chapter 6: drafter_training_explorer
 """
 
 from dflash_lab.widgets.common import CONTEXT_KV_DTYPES
@@ -19,6 +20,7 @@ from dflash_lab.widgets.acceptance import acceptance_explorer
 from dflash_lab.widgets.step_through import step_through
 from dflash_lab.widgets.kv_groups import kv_groups_explorer
 from dflash_lab.widgets.kernels import fused_kernel_explorer, window_acceptance_explorer
+from dflash_lab.widgets.training import drafter_training_explorer
 
 __all__ = [
     "CONTEXT_KV_DTYPES",
@@ -27,4 +29,5 @@ __all__ = [
     "acceptance_explorer", "step_through",
     "kv_groups_explorer",
     "fused_kernel_explorer", "window_acceptance_explorer",
+    "drafter_training_explorer",
 ]

@@ -6,7 +6,7 @@ import ipywidgets as widgets
 
 from dflash_lab import viz
 from dflash_lab.spec_decode import generate_on_prompts
-from dflash_lab.widgets.common import WIDE, _redraw_figure_widget, figure_widget
+from dflash_lab.widgets.common import WIDE, WIDE_BUTTONS, _redraw_figure_widget, figure_widget
 
 YOUR_TEXT = "your text (box below)"
 DRAFT_SAMPLING = {"greedy": "greedy drafts (vLLM's default)", "probabilistic": "probabilistic drafts"}
@@ -37,11 +37,11 @@ def acceptance_explorer(target, drafter, prompt_sets: dict, *, tokenizer=None, e
     temperature = widgets.SelectionSlider(options=list(temperatures), value=temperatures[0], description="temperature",
                                           continuous_update=False, style=WIDE)
     draft_sampling = widgets.ToggleButtons(options=[(label, key) for key, label in DRAFT_SAMPLING.items()],
-                                           value="greedy", description="draft sampling", style=WIDE)
+                                           value="greedy", description="draft sampling", style=WIDE_BUTTONS)
     names = list(prompt_sets) + ([YOUR_TEXT] if encode is not None else [])
     prompt_set = widgets.Dropdown(options=names, description="prompts", style=WIDE,
                                   layout=widgets.Layout(width="auto"))
-    method = widgets.ToggleButtons(options=["DFlash", "prompt lookup"], description="drafter", style=WIDE)
+    method = widgets.ToggleButtons(options=["DFlash", "prompt lookup"], description="drafter", style=WIDE_BUTTONS)
     box_text = widgets.Textarea(value=text, placeholder="Type or paste a prompt, then pick “your text” above",
                                 description="your text", continuous_update=False, style=WIDE,
                                 layout=widgets.Layout(width="100%", height="90px"))

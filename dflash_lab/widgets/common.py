@@ -13,6 +13,7 @@ from dflash_lab.runtime import synchronized_time
 
 CONTEXT_KV_DTYPES = ("float32", "bfloat16")
 WIDE = {"description_width": "initial"}  # a control's label takes the width it needs: never truncated
+WIDE_BUTTONS = {**WIDE, "button_width": "auto"}  # ToggleButtons: each button as wide as its text
 
 
 def figure_widget(fig) -> go.FigureWidget:

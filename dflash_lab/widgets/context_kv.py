@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import ipywidgets as widgets
-import plotly.graph_objects as go
 import torch
 
 from dflash_lab import viz
 from dflash_lab.context_kv import CONTEXT_KV_PATHS
 from dflash_lab.drafter import dflash_attention_mask
-from dflash_lab.widgets.common import CONTEXT_KV_DTYPES, _agreement_html, _measure_context_kv, _redraw_figure_widget
+from dflash_lab.widgets.common import (
+    CONTEXT_KV_DTYPES,
+    WIDE,
+    _agreement_html,
+    _measure_context_kv,
+    _redraw_figure_widget,
+    figure_widget,
+)
 
 
 def context_kv_path_explorer(drafter, context, positions) -> widgets.VBox:
@@ -21,8 +27,8 @@ def context_kv_path_explorer(drafter, context, positions) -> widgets.VBox:
     tolerance (``context_kv.context_kv_agreement``). The returned box exposes
     ``.path``, ``.dtype``, ``.figure`` and ``.agreement`` for scripted use.
     """
-    path = widgets.Dropdown(options=list(CONTEXT_KV_PATHS), value="reference", description="path")
-    dtype = widgets.Dropdown(options=list(CONTEXT_KV_DTYPES), value="float32", description="dtype")
+    path = widgets.Dropdown(options=list(CONTEXT_KV_PATHS), value="reference", description="path", style=WIDE)
+    dtype = widgets.Dropdown(options=list(CONTEXT_KV_DTYPES), value="float32", description="dtype", style=WIDE)
     agreement = widgets.HTML()
     copies = {}  # one drafter copy per dtype, made on first use
 
@@ -32,7 +38,7 @@ def context_kv_path_explorer(drafter, context, positions) -> widgets.VBox:
         agreement.value = f"<b>{path_name}</b> in {dtype_name}: {_agreement_html(agree)} · {ms:.1f} ms"
         return viz.context_kv_path_figure(k, v, k_ref, v_ref, path=f"{path_name} ({dtype_name})", positions=positions)
 
-    fig = go.FigureWidget(figure(path.value, dtype.value))
+    fig = figure_widget(figure(path.value, dtype.value))
 
     def redraw(*_):
         _redraw_figure_widget(fig, figure(path.value, dtype.value))
@@ -45,37 +51,60 @@ def context_kv_path_explorer(drafter, context, positions) -> widgets.VBox:
 
 
 def sliding_window_explorer(*, context_len: int = 24, block_size: int = 8, window: int = 8,
-                            causal: bool = True) -> widgets.VBox:
-    """Toggle the sliding window, its size and causality; see which keys each block query sees.
+                            causal: bool | None = None) -> widgets.VBox:
+    """Toggle the sliding window and change its size; see which keys each block query sees.
 
-    The block starts right after ``context_len`` context positions. Each change
-    recomputes ``drafter.dflash_attention_mask`` (no window when it is off; causal inside
-    the block as vLLM makes sliding layers, or non-causal with vLLM's symmetric window)
-    and redraws ``viz.visibility_mask_figure``. The returned box exposes ``.sliding``,
-    ``.window``, ``.causal``, ``.figure`` and ``.summary``.
+    The block starts right after ``context_len`` context positions. Causality inside the
+    block follows vLLM's rule (``_dflash_layer_causal``): a sliding layer is causal (query j
+    sees block keys 0..j, and its window is the last ``w`` positions), a full-attention layer is
+    not (the whole block; a window on a non-causal layer is symmetric, |q − k| < w). The
+    "causal" checkbox plays ``is_causal`` / ``dflash_config.causal``: it starts at vLLM's
+    default for the layer type and follows the sliding switch until it is set by hand.
+    ``causal`` (True/False) pins it instead and greys the checkbox out (a drafter whose
+    causality is fixed). Each change recomputes ``drafter.dflash_attention_mask`` and redraws
+    ``viz.visibility_mask_figure``. The returned box exposes ``.sliding``, ``.window``,
+    ``.causal``, ``.figure`` and ``.summary``.
     """
-    sliding = widgets.Checkbox(value=True, description="sliding window")
-    causal_box = widgets.Checkbox(value=causal, description="causal inside the block (vLLM: sliding layers)",
-                                  layout=widgets.Layout(width="auto"), style={"description_width": "initial"})
-    size = widgets.IntSlider(value=window, min=1, max=context_len + block_size, description="window")
+    sliding = widgets.Checkbox(value=True, description="sliding window", indent=False,
+                               layout=widgets.Layout(width="auto"))
+    size = widgets.IntSlider(value=window, min=1, max=context_len + block_size, description="window", style=WIDE)
+    is_causal = widgets.Checkbox(value=sliding.value if causal is None else causal, indent=False,
+                                 description="causal inside the block (vLLM: sliding layers are)",
+                                 disabled=causal is not None, layout=widgets.Layout(width="auto"))
     summary = widgets.HTML()
     ctx_pos = torch.arange(context_len)
     q_pos = torch.arange(context_len, context_len + block_size)
+    state = {"by_hand": causal is not None}  # once set by hand (or pinned), the checkbox stops following
 
-    def figure(on: bool, w: int):
-        mask = dflash_attention_mask(q_pos[None], ctx_pos, block_size, w if on else None, causal=causal_box.value)[0]
-        seen = mask[:, :context_len].sum(-1).tolist()  # mask: (Q, N+Q)
-        summary.value = ("context keys seen per block query: " + ", ".join(map(str, seen))
-                         + "; block keys: " + ", ".join(map(str, mask[:, context_len:].sum(-1).tolist()))
-                         + (f" (window {w})" if on else " (no window)"))
-        label = (f"sliding window {w}" if on else "no window") + (", causal" if causal_box.value else ", non-causal")
+    def figure(on: bool, w: int, c: bool):
+        mask = dflash_attention_mask(q_pos[None], ctx_pos, block_size, w if on else None, causal=c)[0]  # (Q, N+Q)
+        seen = mask[:, :context_len].sum(-1).tolist()
+        inside = "causal: query j sees block keys 0..j" if c else "not causal: every query sees the whole block"
+        why = ("vLLM's default for this layer type" if c == on else "set against the layer type's default, as "
+               "is_causal / dflash_config.causal can")
+        summary.value = (f"{inside} ({why}). Context keys seen per block query: " + ", ".join(map(str, seen))
+                         + (f" (window {w}{', symmetric' if not c else ''})" if on else " (full attention)"))
+        label = (f"sliding window {w}" if on else "full attention (no window)") + (", causal" if c else ", not causal")
         return viz.visibility_mask_figure(mask, query_positions=q_pos, key_positions=torch.cat([ctx_pos, q_pos]),
                                           context_len=context_len, title=f"Which keys each block query sees: {label}")
 
-    fig = go.FigureWidget(figure(sliding.value, size.value))
+    fig = figure_widget(figure(sliding.value, size.value, is_causal.value))
 
     def redraw(*_):
-        _redraw_figure_widget(fig, figure(sliding.value, size.value))
+        _redraw_figure_widget(fig, figure(sliding.value, size.value, is_causal.value))
+
+    def on_sliding(change):
+        if not state["by_hand"] and is_causal.value != change["new"]:
+            state["following"] = True
+            is_causal.value = change["new"]  # vLLM's default follows the layer type (its observer redraws)
+            state["following"] = False
+        else:
+            redraw()
+
+    def on_causal(_):
+        if not state.get("following"):
+            state["by_hand"] = True
+        redraw()
 
     def resize(_):
         if sliding.value:
@@ -83,9 +112,10 @@ def sliding_window_explorer(*, context_len: int = 24, block_size: int = 8, windo
         else:
             sliding.value = True  # moving the window switches it on (the checkbox observer redraws)
 
-    sliding.observe(redraw, names="value")
-    causal_box.observe(redraw, names="value")
+    sliding.observe(on_sliding, names="value")
+    is_causal.observe(on_causal, names="value")
     size.observe(resize, names="value")
-    box = widgets.VBox([widgets.HBox([sliding, size, causal_box]), summary, fig])
-    box.sliding, box.window, box.causal, box.figure, box.summary = sliding, size, causal_box, fig, summary
+    box = widgets.VBox([widgets.HBox([sliding, size], layout=widgets.Layout(flex_flow="row wrap")), is_causal,
+                        summary, fig])
+    box.sliding, box.window, box.causal, box.figure, box.summary = sliding, size, is_causal, fig, summary
     return box

@@ -95,12 +95,20 @@ def drafter_config_explorer(config: dict, *, target_config=None) -> widgets.VBox
             dflash["causal"] = CAUSAL_KEY[causal.value]
         return d
 
+    def asked(d: dict) -> str:
+        """The edited settings the verdict is about, in config.json's words."""
+        kinds = sorted(set(d["layer_types"]))
+        flag = (d.get("dflash_config") or {}).get("causal")
+        return (f"<small>asked about: num_hidden_layers {d['num_hidden_layers']}, layer_types "
+                f"{' + '.join(kinds)}, gating {d['gating']!r}, dflash_config.causal "
+                f"{'absent' if flag is None else str(flag).lower()}</small><br>")
+
     def figure():
         d, target = edited(), sources[preset.value][1]
         try:
             cfg = DFlashDrafterConfig.from_dict(d)
         except (ValueError, NotImplementedError) as exc:
-            status.value = f"<b>vLLM refuses it</b>: {type(exc).__name__}: {html.escape(str(exc))}"
+            status.value = asked(d) + f"<b>vLLM refuses it</b>: {type(exc).__name__}: {html.escape(str(exc))}"
             details.value = tensors.value = ""
             return None
         try:
@@ -113,7 +121,7 @@ def drafter_config_explorer(config: dict, *, target_config=None) -> widgets.VBox
             drafter = DFlashLagunaDrafter(cfg)
         rows = [(name, tuple(t.shape), t.numel()) for name, t in drafter.state_dict().items()]
         names = drafter.attention_layer_names()
-        status.value = (f"<b>vLLM's rules: valid</b> · {pairing} · {len(rows)} tensors, "
+        status.value = (asked(d) + f"<b>vLLM's rules: valid</b> · {pairing} · {len(rows)} tensors, "
                         f"{sum(r[2] for r in rows):,} parameters · every block query "
                         + ("sees block keys up to its own position (causal)" if cfg.is_causal
                            else "sees the whole block (not causal)"))

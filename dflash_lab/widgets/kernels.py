@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import ipywidgets as widgets
-import plotly.graph_objects as go
 
 from dflash_lab import kernels, viz
 from dflash_lab.context_kv import CONTEXT_KV_PATHS
 from dflash_lab.drafter import with_window
 from dflash_lab.spec_decode import generate_on_prompts
-from dflash_lab.widgets.common import CONTEXT_KV_DTYPES, _agreement_html, _measure_context_kv, _redraw_figure_widget
+from dflash_lab.widgets.common import (
+    CONTEXT_KV_DTYPES,
+    WIDE,
+    WIDE_BUTTONS,
+    _agreement_html,
+    _measure_context_kv,
+    _redraw_figure_widget,
+    figure_widget,
+)
 from dflash_lab.widgets.context_kv import sliding_window_explorer
 
 
@@ -26,11 +33,12 @@ def fused_kernel_explorer(drafter, context, positions, records, *, layers: int =
     ``.dtype``, ``.layers``, ``.parity`` and ``.figure``.
     """
     depths = sorted({r["layers"] for r in records})
-    path = widgets.ToggleButtons(options=list(CONTEXT_KV_PATHS), value="folded", description="path")
-    fused = widgets.Checkbox(value=kernels.fused_enabled(), description="fused Triton epilogue (folded path)")
-    dtype = widgets.ToggleButtons(options=list(CONTEXT_KV_DTYPES), value="float32", description="dtype")
+    path = widgets.ToggleButtons(options=list(CONTEXT_KV_PATHS), value="folded", description="path", style=WIDE_BUTTONS)
+    fused = widgets.Checkbox(value=kernels.fused_enabled(), description="fused Triton epilogue (folded path)",
+                             indent=False, layout=widgets.Layout(width="auto"))
+    dtype = widgets.ToggleButtons(options=list(CONTEXT_KV_DTYPES), value="float32", description="dtype", style=WIDE_BUTTONS)
     depth = widgets.Dropdown(options=depths, value=layers if layers in depths else depths[-1],
-                             description="timings for L", layout=widgets.Layout(width="180px"))
+                             description="timings for L", style=WIDE, layout=widgets.Layout(width="auto"))
     parity = widgets.HTML()
     runnable = kernels.triton is not None and context.is_cuda
     copies = {}
@@ -52,7 +60,7 @@ def fused_kernel_explorer(drafter, context, positions, records, *, layers: int =
         return viz.context_kv_timing_figure(records, layers=depth.value, highlight=chosen)
 
     measure()
-    fig = go.FigureWidget(figure())
+    fig = figure_widget(figure())
 
     def redraw(*_):
         measure()
@@ -62,7 +70,9 @@ def fused_kernel_explorer(drafter, context, positions, records, *, layers: int =
         control.observe(redraw, names="value")
     note = widgets.HTML("" if runnable else "<i>No CUDA GPU here: the fused kernel cannot run, the switch only "
                         "changes which bar is highlighted (the timings come from a GPU run).</i>")
-    box = widgets.VBox([widgets.HBox([path, depth]), widgets.HBox([fused, dtype]), note, parity, fig])
+    wrap = widgets.Layout(flex_flow="row wrap")
+    box = widgets.VBox([widgets.HBox([path, depth], layout=wrap), widgets.HBox([fused, dtype], layout=wrap), note,
+                        parity, fig])
     box.path, box.fused, box.dtype, box.layers, box.parity, box.figure = path, fused, dtype, depth, parity, fig
     return box
 
@@ -79,7 +89,10 @@ def window_acceptance_explorer(target, drafter, prompts, *, block_size: int = 8,
     against full attention. The returned box exposes ``.sliding``, ``.window``,
     ``.mask``, ``.figure``, ``.summary`` and ``.results``.
     """
-    mask = sliding_window_explorer(context_len=context_len, block_size=block_size, window=window)
+    # The mask drawn is the one the run uses: with_window changes the window only, so causality
+    # stays the drafter's own (pinned; a non-causal layer's window is symmetric).
+    mask = sliding_window_explorer(context_len=context_len, block_size=block_size, window=window,
+                                   causal=drafter.config.is_causal)
     mask.window.max, mask.window.continuous_update = max_window, False
     results = {} if results is None else results
     summary = widgets.HTML()
@@ -101,7 +114,7 @@ def window_acceptance_explorer(target, drafter, prompts, *, block_size: int = 8,
         return viz.compare_acceptance_figure({"full attention": full, label: now},
                                              title=f"Acceptance: full attention vs {label}")
 
-    fig = go.FigureWidget(figure())
+    fig = figure_widget(figure())
 
     def redraw(*_):
         _redraw_figure_widget(fig, figure())

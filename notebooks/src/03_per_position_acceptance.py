@@ -229,7 +229,8 @@ for r in here:
 # grey, a vLLM server purple.
 
 # %%
-bench = json.loads((BENCHMARKS_DIR / "spec_decode.json").read_text())
+# NBVAL_IGNORE_OUTPUT
+bench = json.loads((BENCHMARKS_DIR / "spec_decode.json").read_text())  # (a re-run benchmark changes these)
 h200 = []
 for r in bench["shipped_pair"]:
     method = {"target": "plain greedy", "dflash": "DFlash", "prompt": "prompt lookup"}[r["method"].split("_")[0]]

@@ -38,7 +38,7 @@ from dflash_lab.repro import rounded
 from dflash_lab.runtime import REPO_ROOT, seed_everything
 from dflash_lab.spec_decode import generate_on_prompts
 from dflash_lab.target import target_forward
-from dflash_lab.tools import bench_context_kv
+from dflash_lab.tools import bench_context_kv, bench_fast_decode
 from dflash_lab.widgets import fused_kernel_explorer, window_acceptance_explorer
 
 seed_everything(0)
@@ -174,7 +174,83 @@ for t in bench_context_kv.context_kv_targets(committed):
 fused_kernel_explorer(drafter, context, positions, records)
 
 # %% [markdown]
-# ## 5 · The sliding window: which keys a block query sees
+# ## 5 · Measured: does DFlash make decoding faster?
+#
+# Speculative decoding exists to be faster, so measure it. The teaching loop
+# (`speculative_generate`) is the wrong thing to time on a GPU: it runs
+# transformers' forward with a growing cache, hundreds of tiny kernels launched
+# one by one from Python, and the shipped 8.8 M-parameter target takes ~34 ms
+# per forward there — launch overhead, not arithmetic. The lab's fast path
+# (`dflash_lab.spec_decode.batched`) computes the same thing the way a server
+# does: static KV caches written in place (slot = position, so a rejected draft
+# needs no crop), the MoE as grouped GEMMs, RMSNorm and head-norm + RoPE as one
+# kernel each, and every decode step — draft, verify, context-K/V append,
+# accept — captured as **one CUDA graph** and replayed. Greedy output is token
+# for token the same (float32; tests/test_fast_decode.py). Several prompts can
+# share a batch, each accepting its own number of drafts per step.
+#
+# τ, the mean acceptance length, is the number of tokens one target forward
+# yields: the ceiling of the speedup if drafting were free and verifying B tokens
+# cost as much as one. The measured speedup is tokens/s over plain greedy
+# decoding through the same machinery.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+speed = json.loads((REPO_ROOT / "benchmarks" / "spec_decode.json").read_text())
+records, phases = speed["records"], speed["phases"]
+if device.type == "cuda":  # a quick live run: batch 1, block 16, 8 prompts x 64 tokens (~half a minute)
+    live_prompts = [tokenizer(p["text"], return_tensors="pt")["input_ids"][0, -256:].to(device)
+                    for p in heldout_prompts()[:8]]
+    records = bench_fast_decode.measure_fast_decoding(target, drafter, live_prompts, batches=[1], block_sizes=[16],
+                                                      graphs=(True,), max_new_tokens=64, progress=lambda s: None)
+    phases = bench_fast_decode.phase_breakdown(target, drafter, live_prompts, block_size=16, max_new_tokens=64)
+print("speed from:", records[0]["device"], "(live)" if device.type == "cuda" else "(committed run)")
+
+# %%
+base = {(r["batch"], r["cuda_graphs"]): r["tokens_per_s"] for r in records if r["method"] == "target_only"}
+for r in records:
+    if r["cuda_graphs"] and r["batch"] == 1:
+        tau = f"tau {r['mean_acceptance_length']:.2f}" if r["mean_acceptance_length"] else "tau -   "
+        print(f"{r['method']:14s} block {r['block_size']:>2}: {r['tokens_per_s']:7.0f} tok/s  "
+              f"{r['tokens_per_s'] / base[(1, True)]:.2f}x plain greedy  {tau}")
+
+# %%
+viz.speedup_vs_tau_figure(records)
+
+# %% [markdown]
+# The speedup stays well under τ, and it shrinks as the batch grows. Both have
+# the same cause on a model this small: every kernel is latency-bound, so a
+# step costs about the same whatever it computes. Verifying 16 tokens costs
+# only ~1.2× one token's forward — that part works for DFlash — but the drafter
+# step is not free: three drafter layers, the lm_head, the context-K/V append
+# and the acceptance add almost half of a plain decoding step. At batch 32 the
+# target's own forward is already shared by 32 sequences, and drafting adds work
+# that plain decoding does not do. Prompt lookup has no drafter forward, but its drafts come
+# from the host, so every step waits for a read-back; at batch 32 that wait
+# dominates.
+#
+# Where one batch-1 step's time goes, each phase captured as its own graph:
+
+# %%
+taus = {"dflash": next(r["mean_acceptance_length"] for r in records if r["method"] == "dflash"
+                       and r["block_size"] == phases["dflash"]["block_size"] and r["batch"] == 1 and r["cuda_graphs"])}
+viz.step_time_figure(phases, taus=taus)
+
+# %% [markdown]
+# On Laguna-XS.2 the balance is different: the target is ~40 layers of 256
+# experts, and one graphed drafter step costs about a ninth of a target forward
+# (`benchmarks/spec_decode.md`, "Laguna-XS.2 projection"). There the question
+# becomes how much more a 16-token verification costs than a 1-token decode —
+# with MoE, 16 tokens route to many more experts, whose weights must all be read.
+
+# %%
+for r in speed.get("projection_graphed", {}).get("speedups", []):
+    print(f"XS.2 projection, block {r['block_size']:>2}: tau {r['tokens_per_step']:.2f}, "
+          f"T_target(1) {r['T_target_1_ms']:.2f} ms, T_target(B) {r['T_target_B_ms']:.2f} ms, "
+          f"T_drafter(B) {r['T_drafter_B_ms']:.2f} ms -> {r['speedup']:.2f}x")
+
+# %% [markdown]
+# ## 6 · The sliding window: which keys a block query sees
 #
 # A block of `B` tokens starts right after the context. Each block query sees the
 # context before the block. Inside the block vLLM's rule applies: a `sliding_attention`
@@ -201,7 +277,7 @@ viz.visibility_mask_figure(mask, query_positions=q_pos, key_positions=torch.cat(
                            title="Which keys each block query sees: sliding window 8, causal (vLLM's sliding layers)")
 
 # %% [markdown]
-# ## 6 · What the window costs in acceptance
+# ## 7 · What the window costs in acceptance
 #
 # The window only limits what the drafter *looks at*: weights, RoPE and the K/V store
 # are untouched, so `with_window(drafter, w)` keeps the weights and cuts attention at

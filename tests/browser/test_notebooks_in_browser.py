@@ -11,7 +11,12 @@ For each notebook: open it, Run > Run All Cells, and wait for the kernel. Then
 4. the widgets react: each control (dropdown, checkbox, toggle, radio, slider)
    is flipped in turn, and each must change something on the page - and at
    least one must change a figure's data or layout. A widget callback that
-   raises (JupyterLab would only show it in its log console) fails the test.
+   raises (JupyterLab would only show it in its log console) fails the test;
+5. what is drawn can be read: no plotly table header cell is empty (plotly's
+   Table can leave cells blank on first draw) and no widget label is cut off
+   (text overflow), before and after the flips;
+6. a step-through widget (chapters 1 and 3) moves to the next step when its
+   slider moves, and the tokens it highlights change.
 
 Screenshots of the whole notebook, after running and after flipping, go to
 test-output/screenshots/. The last test runs the same checks on a notebook
@@ -198,6 +203,50 @@ JS_CONTROLS = "(path) => {" + PANEL + """
 }"""
 
 
+# What a reader cannot see although it is there: plotly table header cells drawn empty,
+# and widget labels cut off by the width they were given (text overflow).
+JS_LAYOUT = "(path) => {" + PANEL + """
+  const root = panel.content.node;
+  const problems = [];
+  root.querySelectorAll('.jp-OutputArea .js-plotly-plot').forEach(gd => {
+    const title = ((gd.layout || {}).title || {}).text || '';
+    const tables = (gd.data || []).filter(t => t.type === 'table');
+    if (!tables.length) return;
+    const headers = Array.from(gd.querySelectorAll('.y-column .column-block#header'));
+    const shown = headers.map(h => (h.textContent || '').trim());
+    const wanted = tables.reduce((n, t) => n + (((t.header || {}).values) || []).length, 0);
+    if (shown.length < wanted)
+      problems.push(`plotly table in ${JSON.stringify(title)}: ${wanted - shown.length} of ${wanted} header cells not drawn`);
+    shown.forEach((text, i) => { if (!text)
+      problems.push(`plotly table in ${JSON.stringify(title)}: header cell ${i} is empty`); });
+  });
+  const labels = root.querySelectorAll('.jp-OutputArea .widget-label, .jp-OutputArea .widget-label-basic, '
+      + '.jp-OutputArea .widget-checkbox label, .jp-OutputArea .widget-toggle-button, .jp-OutputArea .widget-button');
+  labels.forEach(el => {
+    const r = el.getBoundingClientRect();
+    if (r.width === 0 || !el.innerText.trim()) return;
+    if (el.scrollWidth > el.clientWidth + 1)
+      problems.push(`widget label ${JSON.stringify(el.innerText.trim())} is truncated (${el.clientWidth}px shown `
+                    + `of ${el.scrollWidth}px)`);
+  });
+  return problems;
+}"""
+
+# The step-through widget: its step and the tokens it highlights (data-kind cells).
+JS_STEP_THROUGH = "(path) => {" + PANEL + """
+  return Array.from(panel.content.node.querySelectorAll('.dflash-step-through')).map((box, index) => {
+    const view = box.querySelector('.dflash-st');
+    const marked = view ? Array.from(view.querySelectorAll('[data-kind]'))
+        .filter(el => ['accepted', 'rejected', 'correction', 'bonus'].includes(el.dataset.kind))
+        .map(el => el.dataset.kind + ':' + el.textContent) : [];
+    const handle = box.querySelector('.widget-slider .noUi-handle');
+    if (handle) handle.setAttribute('data-step-through', String(index));
+    return {index, step: view ? view.dataset.step : null, marked,
+            value: handle ? handle.getAttribute('aria-valuenow') : null};
+  });
+}"""
+
+
 @dataclass
 class Flip:
     """One control flipped, and what it changed on the page."""
@@ -361,6 +410,37 @@ def render_problems(nb: Notebook) -> tuple[list[str], dict]:
     return problems, found
 
 
+def layout_problems(nb: Notebook) -> list[str]:
+    """Empty plotly table header cells and truncated widget labels now on the page."""
+    return nb.page.evaluate(JS_LAYOUT, nb.path)
+
+
+def check_step_throughs(nb: Notebook) -> int:
+    """Move every step-through's slider one step; the highlighted tokens must change. Returns how many."""
+    boxes = nb.page.evaluate(JS_STEP_THROUGH, nb.path)
+    for box in boxes:
+        assert box["marked"], f"{nb.path}: step-through {box['index']} highlights no token at step {box['step']}"
+        handle = nb.page.locator(f"[data-step-through='{box['index']}']")
+        handle.scroll_into_view_if_needed()
+        handle.focus()
+        nb.page.keyboard.press("ArrowRight")
+        deadline = time.monotonic() + FLIP_TIMEOUT
+        now = box
+        while time.monotonic() < deadline:
+            time.sleep(0.25)
+            now = nb.page.evaluate(JS_STEP_THROUGH, nb.path)[box["index"]]
+            if now["step"] != box["step"]:
+                break
+        assert now["step"] == str(int(box["step"]) + 1), (
+            f"{nb.path}: moving step-through {box['index']}'s slider did not move it to the next step: {box} -> {now}")
+        assert now["marked"] != box["marked"], (
+            f"{nb.path}: step-through {box['index']}: the highlighted tokens did not change from step {box['step']} "
+            f"to {now['step']}: {now['marked']}")
+        print(f"{nb.path}: step-through {box['index']}: step {box['step']} -> {now['step']}, highlighted "
+              f"{box['marked'][:4]} -> {now['marked'][:4]}")
+    return len(boxes)
+
+
 def wait_rendered(nb: Notebook, timeout: float = RENDER_TIMEOUT) -> tuple[list[str], dict]:
     """Poll until everything is drawn; after `timeout`, return what still is not."""
     deadline = time.monotonic() + timeout
@@ -438,6 +518,11 @@ def test_notebook_runs_renders_and_reacts(notebook, lab_server, lab_page, screen
         problems, found = wait_rendered(nb)
         assert not problems, f"{rel}: not everything rendered:\n  " + "\n  ".join(problems)
         nb.screenshot(f"{notebook.stem}.png")
+        hidden = layout_problems(nb)  # what is drawn, a reader must be able to read
+        assert not hidden, f"{rel}: drawn but not readable:\n  " + "\n  ".join(hidden)
+
+        # 3b. a step-through's slider changes the highlighted tokens
+        check_step_throughs(nb)
 
         # 4. the controls react
         controls = nb.controls()
@@ -455,6 +540,7 @@ def test_notebook_runs_renders_and_reacts(notebook, lab_server, lab_page, screen
         assert not dead, f"{rel}: controls that changed nothing on the page: {dead}"
         assert any(f.figures_changed for f in flips), f"{rel}: no control changed a figure: {list(map(str, flips))}"
         problems, _ = wait_rendered(nb)  # what the flips redrew is drawn too
+        problems += layout_problems(nb)
         assert not problems, f"{rel}: after flipping the controls:\n  " + "\n  ".join(problems)
         nb.screenshot(f"{notebook.stem}.flipped.png")
         print(f"{rel}: {len(found['plots'])} figure(s), {len(controls)} control(s); run all "
@@ -486,6 +572,9 @@ BROKEN_CELLS = [
     "class BrokenFigureWidget(go.FigureWidget):\n"
     "    _esm = 'export default { render() { throw new Error(\"deliberately broken view\"); } };'\n"
     "BrokenFigureWidget(go.Scatter(y=[1, 2, 3]))",
+    "go.Figure(go.Table(header=dict(values=['', 'shape']), cells=dict(values=[['a'], ['b']])),\n"
+    "          layout_title_text='blank header').show()\n"
+    "widgets.IntSlider(description='a label far too long to fit in its box')",
     "ok = go.FigureWidget(go.Scatter(y=[1, 2, 3]), layout_title_text='fine')\n"
     "dead = widgets.IntSlider(value=1, min=0, max=5, description='wired to nothing')\n"
     "def explode(change):\n"
@@ -518,7 +607,11 @@ def test_the_checks_catch_broken_figures_and_dead_controls(lab_server, lab_page,
     assert "figure 'no traces': the figure has no data traces" in report
     assert "cell 3 output 0: 1 figure(s) expected, 0 rendered" in report
     assert "cell 4 output 0: 1 figure(s) expected, 0 rendered" in report
-    assert "cell 5" not in report, report  # the working FigureWidget is not blamed
+    assert "cell 6" not in report, report  # the working FigureWidget is not blamed
+    hidden = "\n".join(layout_problems(nb))
+    print("layout checks found:\n  " + hidden.replace("\n", "\n  "))
+    assert "plotly table in \"blank header\": header cell 0 is empty" in hidden
+    assert "widget label \"a label far too long to fit in its box\" is truncated" in hidden
     flips = {}
     for i in range(len(nb.controls())):
         control = nb.controls()[i]

@@ -64,6 +64,8 @@ def test_report_page_draws_figures_and_widgets_offline(tmp_path, browser, screen
                                  ".map(s => s.options[s.selectedIndex].text)")
         progress = page.evaluate("() => Array.from(document.querySelectorAll('.dflash-widget-snapshot progress'))"
                                  ".map(p => p.value / p.max)")
+        notes = page.evaluate("() => Array.from(document.querySelectorAll('.dflash-w-snapshot-note'))"
+                              ".filter(n => n.innerText.includes('Static snapshot')).length")
         index = page.goto((tmp_path / "reports" / "index.html").as_uri())
         assert index.ok and "page_check.html" in page.content()
     finally:
@@ -74,4 +76,5 @@ def test_report_page_draws_figures_and_widgets_offline(tmp_path, browser, screen
     assert figures["FigureWidget"]["bars"] == 3  # the figure the kernel held last, not the one it was built with
     assert selected == ["folded"] and progress == [1.0]
     assert not page_errors, page_errors
-    assert all("mathjax" in url for url in requested), f"the page reached for the network: {requested}"
+    assert not requested, f"the page reached for the network: {requested}"
+    assert notes == 1, f"the widget view with a dropdown must say it is a static snapshot, found {notes} notes"

@@ -1,0 +1,87 @@
+"""Chapter 5: measured decoding speed — speedups next to tau, and where a step's time goes.
+
+Records are benchmarks/spec_decode.json's "records" ({"method", "block_size", "batch",
+"cuda_graphs", "tokens_per_s", "mean_acceptance_length", "device", ...}); phases are its
+"phases" ({method: {"block_size", "draft_ms_per_step", "verify_ms_per_step",
+"append_ms_per_step", "accept_ms_per_step"}}).
+"""
+
+from __future__ import annotations
+
+import plotly.graph_objects as go
+
+from dflash_lab.viz.common import PALETTE, method_color, titled
+
+METHOD_LABELS = {"dflash": "DFlash", "prompt_lookup": "prompt lookup", "target_only": "plain greedy"}
+# phase key -> (label, colour), in the order a step runs them
+PHASE_STYLE = {
+    "draft": ("drafter (block forward + lm_head)", PALETTE["blue"]),
+    "verify": ("verify (target forward)", PALETTE["grey"]),
+    "append": ("context K/V append", PALETTE["green"]),
+    "accept": ("sampling (accept + bookkeeping)", PALETTE["orange"]),
+}
+
+
+def speedup_vs_tau_figure(records, *, cuda_graphs: bool = True, title: str | None = None) -> go.Figure:
+    """Per method and block size: tau (tokens per target forward, the ceiling of the speedup) next to the
+    measured tokens/s over plain greedy decoding at each batch size."""
+    rows = [r for r in records if r["cuda_graphs"] == cuda_graphs]
+    if not rows:
+        raise ValueError(f"no records with cuda_graphs={cuda_graphs}")
+    base = {r["batch"]: r["tokens_per_s"] for r in rows if r["method"] == "target_only"}
+    configs = sorted({(r["method"], r["block_size"]) for r in rows if r["method"] != "target_only"},
+                     key=lambda k: (k[0] != "dflash", k[1]))
+    xs = [f"{METHOD_LABELS.get(m, m)}, block {b}" for m, b in configs]
+    by = {(r["method"], r["block_size"], r["batch"]): r for r in rows}
+    batch1 = [by.get((m, b, min(base))) for m, b in configs]
+    fig = go.Figure(go.Bar(
+        x=xs, y=[r["mean_acceptance_length"] if r else None for r in batch1], name="tau (tokens per target forward)",
+        marker=dict(color="white", line=dict(color="black", width=1.2)),
+        hovertemplate="%{x}: tau %{y:.2f}<extra></extra>"))
+    shades = [1.0, 0.65, 0.35]
+    for i, batch in enumerate(sorted(base)):
+        ys = [by[(m, b, batch)]["tokens_per_s"] / base[batch] if (m, b, batch) in by else None for m, b in configs]
+        fig.add_trace(go.Bar(
+            x=xs, y=ys, name=f"measured speedup, batch {batch}",
+            marker=dict(color=[method_color(x) for x in xs], opacity=shades[i % len(shades)],
+                        line=dict(color="black", width=0.6)),
+            customdata=[[by[(m, b, batch)]["tokens_per_s"], base[batch]] if (m, b, batch) in by else [None, None]
+                        for m, b in configs],
+            hovertemplate=f"%{{x}}, batch {batch}: %{{y:.2f}}x (%{{customdata[0]:.0f}} vs %{{customdata[1]:.0f}} tok/s)"
+                          "<extra></extra>"))
+    fig.add_hline(y=1, line=dict(color="black", dash="dash"))
+    fig.update_layout(barmode="group", legend=dict(orientation="h", y=-0.2), yaxis_title="x plain greedy / tau")
+    graphs = "CUDA graphs on" if cuda_graphs else "CUDA graphs off"
+    return titled(fig, title or f"Measured speedup next to tau · {rows[0].get('device', '?')}, {graphs}", height=430)
+
+
+def step_time_figure(phases: dict, *, taus: dict | None = None, title: str | None = None) -> go.Figure:
+    """One stacked bar per method: milliseconds per step in each phase (each phase timed as its own graph).
+
+    taus: optional {method: tokens per step}; the hover then also gives ms per token.
+    """
+    if not phases:
+        raise ValueError("phases is empty: pass benchmarks/spec_decode.json's 'phases'")
+    methods = list(phases)
+    ys = [METHOD_LABELS.get(m, m) + (f", block {phases[m]['block_size']}" if m != "target_only" else "") for m in methods]
+    ms_of = {m: {k: phases[m][f"{k}_ms_per_step"] for k in PHASE_STYLE} for m in methods}
+    for m in methods:  # without a drafter the "draft" phase only sets the block's positions: bookkeeping
+        if m != "dflash":
+            ms_of[m]["accept"] += ms_of[m].pop("draft")
+            ms_of[m]["draft"] = 0.0
+    fig = go.Figure()
+    for key, (label, colour) in PHASE_STYLE.items():
+        ms = [ms_of[m][key] for m in methods]
+        fig.add_trace(go.Bar(y=ys, x=ms, orientation="h", name=label, marker=dict(color=colour, line=dict(color="black", width=0.5)),
+                             hovertemplate=f"%{{y}}: {label} %{{x:.3f}} ms per step<extra></extra>"))
+    for y, m in zip(ys, methods):
+        total = sum(ms_of[m].values())
+        tau = (taus or {}).get(m, 1.0 if m == "target_only" else None)
+        note = f"{total:.2f} ms/step" + (f" · {total / tau:.2f} ms/token" if tau else "")
+        fig.add_annotation(y=y, x=total, text=note, showarrow=False, xanchor="left", xshift=6)
+    fig.update_layout(barmode="stack", xaxis_title="ms per step (GPU time, batch 1)",
+                      legend=dict(orientation="h", y=-0.35, traceorder="normal"),
+                      xaxis=dict(range=[0, 1.35 * max(sum(v.values()) for v in ms_of.values())]))
+    fig = titled(fig, title or "Where a step's time goes", height=300)
+    fig.update_yaxes(automargin=True)
+    return fig

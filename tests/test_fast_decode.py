@@ -1,0 +1,267 @@
+"""The static, graphed decode path (spec_decode.batched) gives the eager loop's greedy output.
+
+CPU: the static forward against transformers', the fast path against
+``speculative_generate`` token for token and counter for counter (float32),
+ragged batches, stops, and the fused norm kernels in Triton's interpreter.
+GPU (marked ``gpu``): CUDA-graphed output equals ``target.generate`` in float32,
+graphed equals the same kernels launched eagerly, and a step never syncs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from dflash_lab.config import DFlashDrafterConfig
+from dflash_lab.drafter import DFlashLagunaDrafter
+from dflash_lab.spec_decode import speculative_generate
+from dflash_lab.spec_decode.batched import FastDecoder, fast_generate, fast_generate_batch, phase_times
+from dflash_lab.spec_decode.cuda_graphs import GraphedStep
+from dflash_lab.spec_decode.static_target import StaticTarget
+from dflash_lab.target import build_target, target_forward, tiny_laguna_config
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def small_target(layers=4):
+    """A small hybrid Laguna: sliding window 8, so every generation crosses the window."""
+    cfg = tiny_laguna_config(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, layer_types=["sliding_attention", "full_attention"] * (layers // 2),
+        sliding_window=8, mlp_layer_types=["dense"] + ["sparse"] * (layers - 1), num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, shared_expert_intermediate_size=64, max_position_embeddings=256)
+    return build_target(cfg, seed=0).float()
+
+
+def small_drafter(target, seed=1):
+    c = target.config
+    cfg = DFlashDrafterConfig(
+        hidden_size=c.hidden_size, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        intermediate_size=128, layer_types=["full_attention"] * 2, draft_vocab_size=c.vocab_size,
+        target_layer_ids=[0, c.num_hidden_layers - 1], mask_token_id=3, block_size=8,
+        target_layer_count=c.num_hidden_layers)
+    torch.manual_seed(seed)
+    return DFlashLagunaDrafter(cfg).eval()
+
+
+PROMPTS = [[5, 17, 99, 230, 17, 99], [400, 401, 402, 403, 404, 405, 406, 407, 408, 409, 410, 411], [42] * 3]
+
+
+@pytest.fixture(scope="module")
+def small_pair():
+    target = small_target()
+    return target, small_drafter(target)
+
+
+@pytest.fixture(scope="module")
+def shipped():
+    """The shipped pair in float32 on the CPU and four held-out prompts of different lengths."""
+    from dflash_lab.assets import heldout_prompts, load_default_pair
+
+    target, drafter, tok = load_default_pair("cpu", dtype=torch.float32)
+    prompts = [torch.tensor(tok(p["text"])["input_ids"][-n:]) for p, n in zip(heldout_prompts()[:4], (64, 40, 57, 23))]
+    return target, drafter, prompts
+
+
+def counters(stats):
+    return (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens, stats.num_accepted_tokens_per_pos,
+            stats.acceptance_lengths, stats.num_generated_tokens, stats.num_target_forwards)
+
+
+# ---------------------------------------------------------------------------
+# CPU
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("moe", ["dense", "grouped"])
+def test_static_forward_matches_transformers_forward(small_pair, moe):
+    target, _ = small_pair
+    ids = torch.randint(0, 512, (1, 30), generator=torch.Generator().manual_seed(0))
+    from transformers import DynamicCache
+
+    with torch.no_grad():
+        ref = target_forward(target, ids, [0, 3], past_key_values=DynamicCache())
+        st = StaticTarget(target, batch=1, capacity=40, layer_ids=[0, 3], moe=moe)
+        pos = torch.arange(30)[None]
+        st.forward(ids[:, :20], pos[:, :20])  # a prefill, then a block on top of the static cache
+        logits, aux = st.forward(ids[:, 20:], pos[:, 20:])
+    torch.testing.assert_close(logits, ref.logits[:, 20:], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(aux, ref.aux_hidden[:, 20:], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("proposer,block_size", [("dflash", 4), ("dflash", 8), ("ngram", 8), (None, 1)])
+def test_fast_path_is_the_eager_loop_token_for_token(small_pair, proposer, block_size):
+    target, drafter = small_pair
+    drafter = drafter if proposer == "dflash" else proposer
+    for prompt in PROMPTS:
+        ids = torch.tensor([prompt])
+        expected = target.generate(ids, max_new_tokens=30, do_sample=False, eos_token_id=None, pad_token_id=0)
+        r = fast_generate(target, drafter, ids, max_new_tokens=30, block_size=block_size, cuda_graphs=False)
+        assert torch.equal(r.output_ids, expected)
+        if drafter is not None:
+            eager = speculative_generate(target, drafter, ids, max_new_tokens=30, block_size=block_size)
+            assert counters(r.stats) == counters(eager.stats)
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_shipped_pair_ragged_batch_equals_the_eager_loop_prompt_by_prompt(shipped, block_size):
+    """A trained drafter: long and different acceptance per sequence in one batch; outputs AND counters equal."""
+    target, drafter, prompts = shipped
+    results = fast_generate_batch(target, drafter, prompts, max_new_tokens=40, block_size=block_size, cuda_graphs=False)
+    accepted = 0
+    for prompt, r in zip(prompts, results):
+        eager = speculative_generate(target, drafter, prompt[None], max_new_tokens=40, block_size=block_size)
+        assert torch.equal(r.output_ids, eager.output_ids)
+        assert counters(r.stats) == counters(eager.stats)
+        accepted += r.stats.num_accepted_tokens
+    assert accepted > 0
+    assert len({r.stats.mean_acceptance_length for r in results}) > 1  # ragged: sequences accept differently
+
+
+def test_stop_tokens_end_each_sequence_like_the_eager_loop(shipped):
+    target, drafter, prompts = shipped
+    eager = [speculative_generate(target, drafter, p[None], max_new_tokens=30, block_size=8) for p in prompts[:3]]
+    stop = [eager[0].new_token_ids[6], eager[2].new_token_ids[11]]
+    fast = fast_generate_batch(target, drafter, prompts[:3], max_new_tokens=30, block_size=8, cuda_graphs=False,
+                               stop_token_ids=stop)
+    for p, r in zip(prompts[:3], fast):
+        e = speculative_generate(target, drafter, p[None], max_new_tokens=30, block_size=8, stop_token_ids=stop)
+        assert torch.equal(r.output_ids, e.output_ids)
+        assert counters(r.stats) == counters(e.stats)
+
+
+@pytest.mark.parametrize("max_new_tokens", [0, 1, 2, 17])
+def test_max_new_tokens_is_exact(shipped, max_new_tokens):
+    target, drafter, prompts = shipped
+    r = fast_generate(target, drafter, prompts[1], max_new_tokens=max_new_tokens, block_size=16, cuda_graphs=False)
+    assert r.stats.num_generated_tokens == max_new_tokens == len(r.new_token_ids)
+
+
+def test_phase_times_cover_every_phase(shipped):
+    target, drafter, prompts = shipped
+    dec = FastDecoder(target, drafter, batch=1, block_size=8, capacity=128, cuda_graphs=False, phase_graphs=True)
+    t = phase_times(dec, prompts[:1], max_new_tokens=12)
+    assert t["steps"] >= 1 and all(t[f"{p}_s"] > 0 for p in ("draft", "verify", "append", "accept"))
+
+
+def test_too_long_a_generation_is_refused_by_name(small_pair):
+    target, drafter = small_pair
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        fast_generate(target, drafter, torch.tensor(PROMPTS[0]), max_new_tokens=300)
+    with pytest.raises(ValueError, match="block_size"):
+        FastDecoder(target, drafter, batch=1, block_size=9, capacity=64, cuda_graphs=False)
+
+
+def test_a_graphed_step_off_cuda_is_a_plain_call():
+    calls = []
+    step = GraphedStep(lambda: calls.append(1), enabled=True, device=torch.device("cpu"))
+    step()
+    step()
+    assert not step.captured and calls == [1, 1]
+
+
+TRITON_SCRIPT = textwrap.dedent("""
+    import json, torch
+    from dflash_lab.spec_decode import triton_ops
+    from dflash_lab.layers import RMSNorm, apply_rope, rope_cos_sin
+    torch.manual_seed(0)
+    errs = []
+    for D in (64, 256):
+        m = RMSNorm(D, 1e-6); m.weight.data.normal_(1, .3)
+        x = torch.randn(7, 3, 2 * D)[..., :D] * 3  # strided rows
+        errs.append((triton_ops.norm(m, x) - m(x)).abs().max().item())
+    for hd, rd in ((64, 64), (64, 32)):
+        m = RMSNorm(hd, 1e-6); m.weight.data.normal_(1, .3)
+        proj = torch.randn(2, 5, 4 * hd + 40) * 2
+        x = proj[..., 8:8 + 4 * hd]
+        cos, sin = rope_cos_sin(torch.randint(0, 3000, (2, 5)), rd, 10000.0, torch.float32)
+        ref = apply_rope(m(x.unflatten(-1, (4, hd))), cos, sin)
+        errs.append((triton_ops.norm_rope(m, x, cos, sin, 4, hd, apply_rope) - ref).abs().max().item())
+    print(json.dumps({"enabled": triton_ops.enabled(x), "errs": errs}))
+""")
+
+
+def test_fused_norm_kernels_match_the_modules_in_the_triton_interpreter():
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, "-c", TRITON_SCRIPT], capture_output=True, text=True, env=env, timeout=300,
+                          cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["enabled"] and max(out["errs"]) < 1e-5, out
+
+
+# ---------------------------------------------------------------------------
+# GPU (pytest -m gpu -s tests/test_fast_decode.py)
+# ---------------------------------------------------------------------------
+
+
+def _gpu_pair(dtype):
+    from dflash_lab.assets import heldout_prompts, load_default_pair
+
+    target, drafter, tok = load_default_pair("cuda", dtype=dtype)
+    prompts = [torch.tensor(tok(p["text"])["input_ids"][-96:], device="cuda") for p in heldout_prompts()[:6]]
+    return target, drafter, prompts
+
+
+RUNS = [("dflash", 4), ("dflash", 8), ("dflash", 16), ("ngram", 8), (None, 1)]
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_graphed_greedy_equals_generate_in_float32():
+    target, drafter, prompts = _gpu_pair(torch.float32)
+    n_new, report = 48, {}
+    expected = [target.generate(p[None], max_new_tokens=n_new, do_sample=False, eos_token_id=None, pad_token_id=0)[0]
+                for p in prompts]
+    for proposer, block in RUNS:
+        prop = drafter if proposer == "dflash" else proposer
+        one = [fast_generate(target, prop, p, max_new_tokens=n_new, block_size=block) for p in prompts]
+        batch = fast_generate_batch(target, prop, prompts, max_new_tokens=n_new, block_size=block)
+        plain = fast_generate_batch(target, prop, prompts, max_new_tokens=n_new, block_size=block, cuda_graphs=False)
+        name = f"{proposer or 'target_only'} b{block}"
+        report[name] = {
+            "one_by_one_equal_generate": sum(torch.equal(r.output_ids[0], e) for r, e in zip(one, expected)),
+            "batch_equal_generate": sum(torch.equal(r.output_ids[0], e) for r, e in zip(batch, expected)),
+            "graphed_equal_ungraphed": sum(a.new_token_ids == b.new_token_ids for a, b in zip(batch, plain)),
+            "tau": round(sum(r.stats.num_accepted_tokens for r in one) / max(sum(r.stats.num_drafts for r in one), 1) + 1, 3),
+        }
+    print("\nGPU float32, graphed fast path vs target.generate (of", len(prompts), "prompts):", json.dumps(report))
+    for name, r in report.items():
+        assert r["one_by_one_equal_generate"] == r["batch_equal_generate"] == r["graphed_equal_ungraphed"] == len(prompts), name
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_bf16_graphed_equals_ungraphed_and_reports_agreement_with_the_eager_loop():
+    target, drafter, prompts = _gpu_pair(torch.bfloat16)
+    n_new, report = 48, {}
+    for block in (8, 16):
+        graphed = fast_generate_batch(target, drafter, prompts, max_new_tokens=n_new, block_size=block)
+        plain = fast_generate_batch(target, drafter, prompts, max_new_tokens=n_new, block_size=block, cuda_graphs=False)
+        eager = [speculative_generate(target, drafter, p[None], max_new_tokens=n_new, block_size=block) for p in prompts]
+        report[block] = {"graphed_equal_ungraphed": sum(a.new_token_ids == b.new_token_ids for a, b in zip(graphed, plain)),
+                         "equal_eager_loop": sum(a.new_token_ids == e.new_token_ids for a, e in zip(graphed, eager))}
+        assert report[block]["graphed_equal_ungraphed"] == len(prompts)  # the same kernels, replayed
+    print("\nGPU bf16 (near-ties may flip against the eager loop):", json.dumps(report))
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_a_step_never_waits_for_the_host():
+    target, drafter, prompts = _gpu_pair(torch.bfloat16)
+    dec = FastDecoder(target, drafter, batch=2, block_size=16, capacity=200, cuda_graphs=False)
+    dec.prefill(prompts[:2], 64, ())
+    dec.step()  # Triton compiles outside the check
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        dec.step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
