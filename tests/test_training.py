@@ -244,3 +244,125 @@ def test_training_logs_of_the_shipped_pair_plot():
     drafter_fig = plot_training_log(DEFAULT_DRAFTER)
     names = [t.name for t in drafter_fig.data]
     assert "held-out acceptance (block 16)" in names and "τ" in drafter_fig.layout.title.text
+
+
+# --- the paper's and Poolside's drafter shapes -------------------------------------------
+
+
+@pytest.mark.parametrize("preset, layer_type, window, causal", [
+    ("paper", "full_attention", None, False),
+    ("poolside", "sliding_attention", 64, True),
+])
+def test_attention_presets_make_drafters_vllm_reads_back_the_same(preset, layer_type, window, causal):
+    target = micro_target()
+    cfg = train.DrafterTrainConfig(num_layers=2, **train.ATTENTION_PRESETS[preset])
+    dcfg = train.make_drafter_config(target.config, cfg)
+    written = dcfg.to_dict()
+    assert written["layer_types"] == [layer_type] * 2 and written.get("sliding_window") == window
+    back = DFlashDrafterConfig.from_dict(written)
+    assert back == dcfg and back.is_causal is causal and back.window == window
+    # Poolside's configs spell causality out, as Laguna-S-2.1-DFlash does; the paper's leave vLLM's rule.
+    assert written["dflash_config"].get("causal") == (True if preset == "poolside" else None)
+
+
+@pytest.mark.parametrize("kw, error", [
+    (dict(layer_type="sliding_attention"), "needs `sliding_window`"),
+    (dict(layer_type="full_attention", sliding_window=64), "only applies to sliding_attention"),
+    (dict(layer_type="linear_attention"), "`layer_type` must be one of"),
+    (dict(layer_type="full_attention", causal="yes"), "`causal` must be True, False or None"),
+])
+def test_attention_options_vllm_cannot_serve_are_refused(kw, error):
+    with pytest.raises((ValueError, TypeError), match=error):
+        train.make_drafter_config(micro_target().config, train.DrafterTrainConfig(**kw))
+
+
+def test_cli_attention_preset_and_overrides():
+    from dflash_lab.train.cli import build_parser, resolve_attention
+
+    def parsed(*argv):
+        args = build_parser().parse_args(["drafter", *argv])
+        resolve_attention(args)
+        return args.layer_type, args.sliding_window, args.causal
+
+    assert parsed() == ("full_attention", None, None)
+    assert parsed("--attention", "poolside") == ("sliding_attention", 64, True)
+    assert parsed("--attention", "poolside", "--sliding-window", "32", "--causal", "auto") == ("sliding_attention", 32, None)
+    assert parsed("--attention", "paper", "--causal", "true") == ("full_attention", None, True)
+
+
+def test_a_causal_drafter_drafts_a_short_block_exactly_like_the_front_of_a_long_one():
+    """Causal inside the block: slot j never sees slots after it, so one trained layout serves every block size
+    (the non-causal paper drafter needs short-block training for that)."""
+    target = micro_target()
+    cfg = train.DrafterTrainConfig(num_layers=1, intermediate_size=128, num_aux_layers=2, block_size=4,
+                                   layer_type="sliding_attention", sliding_window=8, causal=True)
+    drafter = DFlashLagunaDrafter(train.make_drafter_config(target.config, cfg)).eval()
+    paper = DFlashLagunaDrafter(train.make_drafter_config(target.config, train.DrafterTrainConfig(
+        num_layers=1, intermediate_size=128, num_aux_layers=2, block_size=4))).eval()
+    ids = torch.randint(4, VOCAB, (1, 24))
+    anchors = torch.tensor([[10]])
+    aux = target_forward(target, ids, drafter.config.target_layer_ids, use_cache=False).aux_hidden
+    with torch.no_grad():
+        long, short = (train.draft_logits_for(target, drafter, ids, anchors, aux, bs) for bs in (4, 2))
+        torch.testing.assert_close(short[0, 0], long[0, 0, :2], atol=1e-5, rtol=1e-4)
+        long, short = (train.draft_logits_for(target, paper, ids, anchors, aux, bs) for bs in (4, 2))
+        assert not torch.allclose(short[0, 0, 1], long[0, 0, 1], atol=1e-5)  # non-causal: later masks matter
+
+
+def test_the_feature_cache_gives_the_targets_own_soft_labels():
+    target = micro_target()
+    ids = torch.randint(4, VOCAB, (6, 20))
+    anchors = torch.tensor([[3, 9]] * 3)
+    rows = torch.tensor([1, 4, 5])
+    aux, labels = train.target_soft_labels(target, ids[rows], anchors, [0, 1], 4)
+    cache = train.TargetFeatureCache(target, ids, [0, 1], batch_size=4)
+    c_aux, c_labels = cache.soft_labels(target, rows, anchors, 4)
+    torch.testing.assert_close(c_aux, aux)
+    torch.testing.assert_close(c_labels, labels)
+
+
+# --- acceptance while training ------------------------------------------------------------
+
+
+def test_the_probe_counts_what_the_evaluation_counts():
+    target = micro_target()
+    with torch.no_grad():
+        target.lm_head.weight.mul_(40)
+    _, dcfg = micro_drafter_config(target)
+    drafter = DFlashLagunaDrafter(dcfg).eval()
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(4, VOCAB, (n,), generator=gen).tolist() for n in (12, 12, 15)]
+    probe = train.AcceptanceProbe(target, prompts, max_new_tokens=10, max_block_size=4)
+
+    class Tok:  # evaluate_acceptance tokenizes text; hand it the ids instead
+        def encode(self, text, add_special_tokens=False):
+            return prompts[int(text)]
+
+    ev = train.evaluate_acceptance(target, drafter, Tok(), [{"text": str(i)} for i in range(3)], block_sizes=(4,),
+                                   max_new_tokens=10)[4]
+    stats = probe(drafter)
+    assert stats.num_drafts == ev["num_drafts"] and stats.num_accepted_tokens_per_pos == ev["num_accepted_tokens_per_pos"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("attention", ["paper", "poolside"])
+def test_thirty_seconds_of_cpu_training_from_scratch_beat_the_untrained_drafter(attention):
+    """The whole recipe in miniature on the shipped target: fresh self-distilled data, the CLI's loop,
+    held-out acceptance before and after (about 30 s on a 2-core CPU)."""
+    from dflash_lab.assets import load_default_pair
+    from dflash_lab.train.live import distill_small, drafter_train_config, train_live
+
+    target, _, tokenizer = load_default_pair("cpu")
+    data, stats = distill_small(target, tokenizer, num_sequences=64, continuation=32, max_files=60)
+    assert stats["sequences"] >= 32
+    prompts = [tokenizer.encode(p["text"], add_special_tokens=False)[-48:] for p in heldout_prompts()[:6]]
+    probe = train.AcceptanceProbe(target, prompts, max_new_tokens=24, max_block_size=4)
+    cfg = drafter_train_config(target.config, steps=120, block_size=4, num_layers=1, attention=attention,
+                               intermediate_size=256, batch_size=8, anchors_per_seq=8, lr=5e-3, log_every=20,
+                               cache_target_features=True)
+    run = train_live(target, data, cfg, probe, eval_every=60, show_progress=False)
+    assert [s for s, _ in run.evals] == [0, 60, 120]
+    before, after = run.before, run.after
+    assert after.mean_acceptance_length > before.mean_acceptance_length + 0.1
+    assert after.per_position_acceptance_rate[0] > before.per_position_acceptance_rate[0] + 0.1
+    assert run.drafter.config.is_causal is (attention == "poolside")

@@ -1,19 +1,26 @@
 """Train the lab's tiny Laguna code model and its DFlash drafter.
 
     python -m dflash_lab.train tokenizer   # CPU, ~1 min: byte-level BPE + the held-out prompt set
-    python -m dflash_lab.train target      # GPU: LagunaForCausalLM on the stdlib's train split
+    python -m dflash_lab.train corpus      # CPU, ~2 min: stdlib + licensed packages' sources -> a pack
+    python -m dflash_lab.train target      # GPU: LagunaForCausalLM on a corpus's train split
+    python -m dflash_lab.train distill     # GPU: self-distillation data only (shared by several drafters)
     python -m dflash_lab.train drafter     # GPU: self-distillation data + DFlash drafter
     python -m dflash_lab.train evaluate    # acceptance of a pair on the held-out prompts
 
 One file per stage, in the order the recipe runs them:
 
     tokenizer         stage 1: byte-level BPE with the four specials first, and saving it
+    code_corpus       stage 0/1: the stdlib plus permissively licensed installed packages, licences
+                      recorded, held-out split by file path (a "corpus pack")
     target_lm         stage 2: corpus token streams, fixed windows, training the target
     distill           stage 3a: self-distillation data (the target's greedy continuations)
     objective         the DFlash objective: anchors, blocks, soft labels, position-weighted
-                      loss, short-block masks
-    drafter_training  stage 3b: the drafter's training loop and the `drafter` command
-    evaluate          acceptance on held-out prompts, counted by SpecDecodeStats.observe_draft
+                      loss, short-block masks, the target-feature cache
+    drafter_training  stage 3b: the drafter's training loop, its shape (depth, layer type,
+                      window, causality: ATTENTION_PRESETS "paper" and "poolside") and commands
+    evaluate          acceptance on held-out prompts, counted by SpecDecodeStats.observe_draft;
+                      AcceptanceProbe measures it cheaply while a drafter trains
+    live              a notebook-sized run: small fresh data, train_drafter, acceptance as it learns
     common            the frozen target's helpers, lr schedule, clock, progress bar, logs
     cli               the command line (``__main__`` runs it)
 
@@ -23,19 +30,20 @@ numbers). ``dflash_lab.viz.plot_training_log`` draws a log. Nothing here
 imports a plotting or serving library: it runs on a bare GPU box with torch,
 transformers, tokenizers, safetensors, numpy and tqdm.
 
-How the shipped pair was made (one H200, torch 2.11, transformers 5.17,
-Python 3.12's standard library as the corpus; wall times in brackets):
+The stronger pair (one H200, torch 2.11, transformers 5.17; ``scripts/train_pair_h200.sh`` runs
+steps 2-4 in one sitting, about 9 device-minutes):
 
-    python -m dflash_lab.train tokenizer                    # CPU [40 s]
-    python -m dflash_lab.train target --time-budget 175     # 287 steps, 4 epochs [24 s training, 41 s in all]
-    python -m dflash_lab.train drafter --steps 20000 --num-sequences 300000 --gen-batch 8192 \\
-        --gen-fraction 0.3 --eval-prompts 24 --time-budget 370
-        # 289k self-distilled sequences [152 s], 3689 steps [242 s]
-    python -m dflash_lab.train drafter --init checkpoints/laguna-tiny-code-dflash --short-block-share 0.5 \\
-        --lr 1e-3 --warmup 50 --seed 1 --steps 20000 --num-sequences 150000 --gen-batch 8192 \\
-        --gen-fraction 0.3 --eval-prompts 0 --time-budget 235
-        # fresh data [73 s], 1799 more steps with short blocks mixed in [121 s]
-    python -m dflash_lab.train evaluate --update-log         # CPU [90 s]
+    python -m dflash_lab.train corpus --out .data/code.jsonl.xz            # CPU [~2 min]
+    python -m dflash_lab.train target --corpus .data/code.jsonl.xz --epochs 3 --time-budget 150
+    python -m dflash_lab.train distill --corpus .data/code.jsonl.xz --data distill.safetensors \
+        --num-sequences 400000 --gen-batch 8192 --time-budget 80 \
+        --prefix-sources distill=0.25,train=0.25,distill_stdlib=0.25,train_stdlib=0.25
+    python -m dflash_lab.train drafter --data distill.safetensors --attention paper --layers 4 \
+        --batch-size 256 --lr 2e-3 --warmup 200 --steps 100000 --short-block-share 0.3 \
+        --eval-prompts 0 --time-budget 250 --out checkpoints/laguna-tiny-code-dflash
+    python -m dflash_lab.train drafter ... --attention poolside --out checkpoints/laguna-tiny-code-dflash-poolside
+        # the two drafters ran side by side on the GPU, same data, same time budget
+    python -m dflash_lab.train evaluate --drafter ... --update-log      # CPU, float32
 
 The time budgets only cap the step counts (the logs record what ran); pass
 ``--steps`` without a budget to fix them.
@@ -44,9 +52,10 @@ The time budgets only cap the step counts (the logs record what ran); pass
 from .cli import main
 from .common import LOG_NAME, freeze, greedy_generate, write_log
 from .distill import DistillConfig, build_distill_data, is_degenerate, load_distill_data, save_distill_data
-from .drafter_training import DrafterTrainConfig, make_drafter_config, train_drafter
-from .evaluate import evaluate_acceptance, load_pair_for_eval, replay_greedy_decoding
-from .objective import (block_inputs, dflash_loss, draft_logits_for, gather_positions, label_positions,
-                        position_weights, sample_anchors, short_block_mask, target_soft_labels)
+from .drafter_training import (ATTENTION_PRESETS, DrafterTrainConfig, check_attention, make_drafter_config,
+                               train_drafter)
+from .evaluate import AcceptanceProbe, evaluate_acceptance, load_pair_for_eval, replay_greedy_decoding
+from .objective import (TargetFeatureCache, block_inputs, dflash_loss, draft_logits_for, gather_positions,
+                        label_positions, position_weights, sample_anchors, short_block_mask, target_soft_labels)
 from .target_lm import TargetTrainConfig, corpus_streams, train_target
 from .tokenizer import EOS_ID, MASK_ID, SPECIAL_TOKENS, save_tokenizer, train_tokenizer

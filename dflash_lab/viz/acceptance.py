@@ -38,7 +38,7 @@ def per_position_acceptance_figure(stats, *, title: str | None = None, color: st
                hovertemplate="position %{x}: %{y:.3f} of drafts (%{customdata})<extra></extra>"),
         go.Scatter(x=positions, y=conditional, mode="lines+markers",
                    name=f"accepted at i, given accepted through i−1 (faded: under {FEW_DRAFTS} drafts)",
-                   line=dict(color=CONDITIONAL_COLOR, width=1.5),
+                   line=dict(color="rgba(51, 51, 51, 0.35)", width=1.5),  # light: the points carry the weight
                    marker=dict(color=CONDITIONAL_COLOR, size=[6 + min(m, 60) / 6 for m in reached], opacity=opacity),
                    customdata=[[c, m] for c, m in zip(stats.num_accepted_tokens_per_pos, reached)],
                    hovertemplate="position %{x}: %{y:.3f} = %{customdata[0]} of the %{customdata[1]} drafts "
@@ -183,6 +183,7 @@ def acceptance_tokens_html(result, tokenizer, *, prompt_tail: int = 40) -> str:
 # ---------------------------------------------------------------------------
 
 _WHERE_SYMBOLS = ["circle", "diamond", "square", "triangle-up"]
+_WHERE_PATTERNS = ["", "/", "x", "."]  # bar hatching per machine, in the same order
 
 
 def tau_vs_speedup_figure(rows, *, title: str | None = None) -> go.Figure:
@@ -205,7 +206,7 @@ def tau_vs_speedup_figure(rows, *, title: str | None = None) -> go.Figure:
         mine = [r for r in rows if r["where"] == where]
         fig.add_trace(go.Bar(
             x=[r["label"] for r in mine], y=[r["target_forwards_per_token"] for r in mine], name=where,
-            marker=dict(color=[method_color(r["method"]) for r in mine], pattern_shape="" if wi == 0 else "/",
+            marker=dict(color=[method_color(r["method"]) for r in mine], pattern_shape=_WHERE_PATTERNS[wi % 4],
                         line=dict(color="black", width=0.5)),
             legendgroup=where, offsetgroup=str(wi),
             hovertemplate="%{x}: %{y:.3f} target forwards per token<extra>" + where + "</extra>"), 1, 1)
@@ -223,8 +224,9 @@ def tau_vs_speedup_figure(rows, *, title: str | None = None) -> go.Figure:
     fig.add_trace(go.Scatter(x=[1, top], y=[1, top], mode="lines", line=dict(color="black", dash="dash", width=1),
                              name="speedup = τ (drafting free, a block verified at one forward's price)",
                              hoverinfo="skip"), 1, 2)
-    fig.update_xaxes(title_text="method (hatched: " + ", ".join(wheres[1:]) + ")" if len(wheres) > 1 else "method",
-                     row=1, col=1)
+    hatches = {"/": "hatched /", "x": "cross-hatched", ".": "dotted"}
+    fig.update_xaxes(title_text="; ".join(["method"] + [f"{hatches[_WHERE_PATTERNS[i % 4]]}: {w}"
+                                                        for i, w in enumerate(wheres) if i % 4]), row=1, col=1)
     fig.update_yaxes(title_text="target forwards / token", rangemode="tozero", row=1, col=1)
     fig.update_xaxes(title_text="τ (plain greedy drawn at 1)", row=1, col=2)
     fig.update_yaxes(title_text="tokens/s ÷ plain greedy's", rangemode="tozero", row=1, col=2)

@@ -176,6 +176,72 @@ def _rms_norm_patch() -> Callable[[], None]:
 
 
 # ---------------------------------------------------------------------------
+# Defect 3: the CPU expand kernel of the rejection sampler never writes its output
+# ---------------------------------------------------------------------------
+
+EXPAND_KERNEL = "vllm.v1.sample.rejection_sampler.expand_kernel"  # the Triton kernel the CPU build overrides
+
+
+def reference_expand(input_val, cu_num_tokens, replace_from, replace_to, num_tokens: int):
+    """What vLLM's expand_kernel computes: request i's value (replace_from -> replace_to) on its tokens."""
+    import torch
+
+    values = torch.where(input_val == replace_from, torch.full_like(input_val, replace_to), input_val)
+    counts = torch.diff(cu_num_tokens.long(), prepend=cu_num_tokens.new_zeros(1).long())  # tokens per request
+    return torch.repeat_interleave(values, counts, output_size=num_tokens)
+
+
+def expand_errors(expand) -> list[str]:
+    """Run ``expand(output, input, cu_num_tokens, replace_from, replace_to)`` as the rejection sampler
+    does (temperature: float32, 0 -> 1; top-k: int32) and list the wrong results."""
+    import torch
+
+    cu = torch.tensor([2, 5], dtype=torch.int32)  # request 0: 2 draft tokens, request 1: 3
+    wrong = []
+    for dtype, values, replace_from, replace_to in ((torch.float32, [0.0, 0.7], 0, 1), (torch.int32, [0, 5], 0, 9)):
+        x = torch.tensor(values, dtype=dtype)
+        out = torch.full((5,), -3, dtype=dtype)  # a sentinel the kernel must overwrite
+        expand(out, x, cu, replace_from, replace_to)
+        want = reference_expand(x, cu, replace_from, replace_to, 5)
+        if not torch.equal(out, want):
+            wrong.append(f"{str(dtype).removeprefix('torch.')} {values} -> {out.tolist()} instead of {want.tolist()}")
+    return wrong
+
+
+def _expand_probe() -> str | None:
+    import vllm._custom_ops  # noqa: F401  (registers torch.ops._C, where the CPU kernel lives)
+    from vllm.utils import cpu_triton_utils
+
+    wrong = expand_errors(cpu_triton_utils._expand_kernel_impl)
+    return "CPU expand kernel: " + "; ".join(wrong) if wrong else None
+
+
+def cpu_expand(output, input_val, cu_num_tokens, replace_from, replace_to, MAX_NUM_TOKENS=None):  # noqa: N803
+    """vLLM's expand_kernel in torch: output[tokens of request i] = input_val[i] (replace_from -> replace_to)."""
+    total = int(cu_num_tokens[-1]) if cu_num_tokens.numel() else 0
+    output[:total] = reference_expand(input_val, cu_num_tokens, replace_from, replace_to, total).to(output.dtype)
+
+
+def _expand_patch() -> Callable[[], None]:
+    from vllm.triton_utils import dispatcher
+    from vllm.utils import cpu_triton_utils
+
+    original = cpu_triton_utils._expand_kernel_impl
+    # The worker registers the CPU overrides right after loading plugins and reads this attribute then.
+    cpu_triton_utils._expand_kernel_impl = cpu_expand
+    registered = dispatcher._registry.get(EXPAND_KERNEL)
+    if registered is not None and registered[1] is original:  # registered before this plugin ran
+        dispatcher.register_kernels({EXPAND_KERNEL: cpu_expand})
+
+    def unpatch():
+        cpu_triton_utils._expand_kernel_impl = original
+        if registered is not None and registered[1] is original:
+            dispatcher.register_kernels({EXPAND_KERNEL: original})
+
+    return unpatch
+
+
+# ---------------------------------------------------------------------------
 # Applying
 # ---------------------------------------------------------------------------
 
@@ -216,6 +282,8 @@ FIXES = (
         _router_probe, _router_patch),
     Fix("grouped-rms-norm", "grouped ops.rms_norm split into one plain rms_norm per layer",
         _rms_norm_probe, _rms_norm_patch),
+    Fix("cpu-expand-kernel", "rejection sampler's per-token expand (temperature, top-k, top-p) done in torch",
+        _expand_probe, _expand_patch),
 )
 
 
