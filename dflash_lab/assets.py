@@ -11,6 +11,11 @@ point the lab at other checkpoints, e.g. the real Laguna XS.2 pair on a GPU box:
     DFLASH_LAB_TARGET   target directory (config.json, *.safetensors, tokenizer)
     DFLASH_LAB_DRAFTER  drafter directory (config.json, model.safetensors)
     DFLASH_LAB_DEVICE   cpu, cuda, cuda:1, ... (default: cuda if available, else cpu)
+
+Two drafters are trained for the shipped target, on the same data and budget:
+``drafter="paper"`` (the default: full attention, non-causal inside the block, as in
+the DFlash paper) and ``drafter="poolside"`` (sliding window 64, causal inside the
+block, as Poolside ships Laguna-S-2.1-DFlash), in ``checkpoints/laguna-tiny-code-dflash-poolside/``.
 """
 
 from __future__ import annotations
@@ -18,9 +23,14 @@ from __future__ import annotations
 import torch
 
 from .runtime import (
-    DEFAULT_DRAFTER, DEFAULT_TARGET, DEVICE_ENV, DRAFTER_ENV, HELDOUT_PROMPTS, TARGET_ENV, drafter_path,
+    CHECKPOINTS_DIR, DEFAULT_DRAFTER, DEFAULT_TARGET, DEVICE_ENV, DRAFTER_ENV, HELDOUT_PROMPTS, TARGET_ENV, drafter_path,
     load_tokenizer, resolve_device, resolve_device_and_dtype, target_path,
 )
+
+
+# The shipped drafters by name: the default one (the paper's recipe; $DFLASH_LAB_DRAFTER replaces it),
+# and Poolside's sliding-window, causal one.
+DRAFTERS = {"paper": DEFAULT_DRAFTER, "poolside": CHECKPOINTS_DIR / "laguna-tiny-code-dflash-poolside"}
 
 
 def default_device() -> torch.device:
@@ -28,18 +38,24 @@ def default_device() -> torch.device:
     return resolve_device(None)
 
 
-def load_default_pair(device=None, *, dtype: torch.dtype | None = None):
+def load_default_pair(device=None, *, dtype: torch.dtype | None = None, drafter: str = "paper"):
     """(target, drafter, tokenizer), ready for inference on ``device``.
 
     device: None means default_device(). dtype: None means float32 on the CPU
     (bf16 weights, float32 arithmetic: exact greedy decoding on any laptop) and
-    the checkpoints' own dtype on an accelerator.
+    the checkpoints' own dtype on an accelerator. drafter: "paper" (the default
+    drafter: full attention, non-causal; $DFLASH_LAB_DRAFTER replaces it) or
+    "poolside" (sliding window 64, causal), see DRAFTERS.
     """
+    if drafter not in DRAFTERS:
+        raise ValueError(f"load_default_pair: `drafter` must be one of {sorted(DRAFTERS)}, got {drafter!r}")
     from .checkpoint import load_drafter
     from .target import load_target
 
     device, dtype = resolve_device_and_dtype(device if device is not None else default_device(), dtype, "load_default_pair")
-    tpath, dpath = target_path(), drafter_path()
+    tpath, dpath = target_path(), drafter_path() if drafter == "paper" else DRAFTERS[drafter]
+    if drafter != "paper" and not dpath.is_dir():
+        raise FileNotFoundError(f"the {drafter!r} drafter checkpoint directory {dpath} does not exist")
     for what, path, env in (("target", tpath, TARGET_ENV), ("drafter", dpath, DRAFTER_ENV)):
         if not path.is_dir():
             raise FileNotFoundError(f"{what} checkpoint directory {path} does not exist (set ${env} to point elsewhere)")

@@ -366,3 +366,111 @@ def test_thirty_seconds_of_cpu_training_from_scratch_beat_the_untrained_drafter(
     assert after.mean_acceptance_length > before.mean_acceptance_length + 0.1
     assert after.per_position_acceptance_rate[0] > before.per_position_acceptance_rate[0] + 0.1
     assert run.drafter.config.is_causal is (attention == "poolside")
+
+
+def test_load_default_pair_names_its_drafters():
+    from dflash_lab.assets import DRAFTERS, load_default_pair
+
+    with pytest.raises(ValueError, match="`drafter` must be one of"):
+        load_default_pair("cpu", drafter="eagle")
+    if not DRAFTERS["poolside"].is_dir():
+        pytest.skip("the poolside drafter is not shipped in this checkout")
+    _, drafter, _ = load_default_pair("cpu", drafter="poolside")
+    assert drafter.config.is_sliding and drafter.config.is_causal and drafter.config.window == 64
+
+
+def test_the_training_explorer_trains_and_moves_its_figure():
+    from dflash_lab.widgets import drafter_training_explorer
+
+    target = micro_target()
+    with torch.no_grad():
+        target.lm_head.weight.mul_(40)
+    gen = torch.Generator().manual_seed(0)
+    seqs = train.greedy_generate(target, torch.randint(4, VOCAB, (8, 12), generator=gen), 16)
+    probe = train.AcceptanceProbe(target, [torch.randint(4, VOCAB, (10,), generator=gen).tolist()], max_new_tokens=8,
+                                  max_block_size=4)
+    box = drafter_training_explorer(target, {12: seqs.numpy().astype(np.uint16)}, probe, steps=20, eval_every=10,
+                                    block_size=4, num_layers=1,
+                                    train_kwargs=dict(intermediate_size=64, num_aux_layers=2, batch_size=4,
+                                                      anchors_per_seq=4, log_every=10))
+    assert box.block_size.options == (4,)
+    box.attention.value = "sliding 64, causal (Poolside)"
+    run = box.train()
+    assert [s for s, _ in run.evals] == [0, 10, 20] and run.drafter.config.is_causal
+    assert list(box.figure.data[1].x) == [0, 10, 20] and len(box.figure.data[0].x) == 2
+    assert "held-out τ" in box.summary.value
+
+
+# --- the larger corpus: installed packages, licences, held-out split by path ----------------
+
+
+def fake_site_packages(root, packages: dict) -> None:
+    """{name: (licence metadata lines, {relpath: text})} as installed distributions under root."""
+    for name, (licence, files) in packages.items():
+        info = root / f"{name}-1.0.dist-info"
+        info.mkdir(parents=True)
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n{licence}\n")
+        (info / "RECORD").write_text("".join(f"{rel},,\n" for rel in files))
+        for rel, text in files.items():
+            (root / rel).parent.mkdir(parents=True, exist_ok=True)
+            (root / rel).write_text(text)
+
+
+def test_only_permissive_licences_are_taken_and_each_is_recorded(tmp_path):
+    from dflash_lab.train import code_corpus
+
+    code = "def f(x):\n    return x + 1\n"
+    fake_site_packages(tmp_path, {
+        "mitpkg": ("License-Expression: MIT", {"mitpkg/a.py": code, "mitpkg/b_pb2.py": code}),
+        "bsdpkg": ("Classifier: License :: OSI Approved :: BSD License", {"bsdpkg/x.py": "y = 2\n"}),
+        "gplpkg": ("License: GPL-3.0-or-later", {"gplpkg/g.py": code}),
+        "mplpkg": ("License-Expression: MPL-2.0 AND MIT", {"mplpkg/m.py": code}),
+        "anonpkg": ("", {"anonpkg/n.py": code}),
+    })
+    taken, left_out = code_corpus.package_sources(tmp_path)
+    assert {p.name: (p.licence, [f.relpath for f in p.files]) for p in taken} == {
+        "bsdpkg": ("BSD License", ["bsdpkg/x.py"]), "mitpkg": ("MIT", ["mitpkg/a.py"])}  # protobuf stubs skipped
+    assert {e["name"]: e["why"] for e in left_out} == {
+        "gplpkg": "licence not permissive", "mplpkg": "licence not permissive", "anonpkg": "no licence stated"}
+
+
+def test_a_copy_of_a_heldout_file_never_trains_and_prompt_lines_are_kept_out(tmp_path):
+    from dflash_lab.train import code_corpus
+
+    held_path = next(p for p in (f"m{i}.py" for i in range(200)) if corpus.split_of(p) == "heldout")
+    train_path = next(p for p in (f"pkg/m{i}.py" for i in range(200)) if corpus.split_of(p) == "train")
+    text = "def held(a, b):\n    total = a + b\n    return total * 2\n"
+    files = [corpus.SourceFile(train_path, text), corpus.SourceFile(held_path, text)]
+    assert [f.relpath for f in code_corpus.deduplicate(files)] == [held_path]
+    prompt = {"text": "class Thing:\n    def method_one(self):\n        return self.value_one + 1\n"}
+    vendored = corpus.SourceFile(train_path, "import os\n\n" + prompt["text"].replace("    ", "\t") + "\nx = 1\n")
+    other = corpus.SourceFile("pkg/other.py", "x = 1\n")
+    assert code_corpus.drop_prompt_overlap([vendored, other], [prompt]) == [other]
+
+    pack = tmp_path / "c.jsonl.xz"
+    code_corpus.save_corpus_pack([other, files[1]], ["somepkg", code_corpus.STDLIB_PACKAGE], {"packages": []}, pack)
+    back, packages = code_corpus.load_corpus_pack(pack)
+    assert back == [other, files[1]] and packages == ["somepkg", code_corpus.STDLIB_PACKAGE]
+    assert code_corpus.manifest_path(pack).is_file() and code_corpus.is_corpus_pack(pack)
+
+
+def test_prefixes_come_from_the_named_streams_in_their_shares():
+    target = micro_target()
+
+    class Tok:  # token 10 starts a line
+        def __len__(self):
+            return VOCAB
+
+        def decode(self, ids):
+            return "\n" if ids == [10] else "x"
+
+    a = np.tile(np.array([10, 20, 21, 22], dtype=np.uint16), 50)  # only tokens 10, 20-22
+    b = np.tile(np.array([10, 30, 31, 32], dtype=np.uint16), 50)  # only tokens 10, 30-32
+    cfg = train.DistillConfig(prefix_lengths=(8,), continuation=4, num_sequences=8, gen_batch=8, min_distinct=1,
+                              sources={"a": 0.75, "b": 0.25})
+    data, stats = train.build_distill_data(target, Tok(), {"a": a, "b": b}, cfg, show_progress=False)
+    prefixes = data[8][:, :8]
+    from_a = [bool(set(p.tolist()) <= {10, 20, 21, 22}) for p in prefixes]
+    assert from_a == [True] * 6 + [False] * 2 and stats["config"]["sources"] == {"a": 0.75, "b": 0.25}
+    with pytest.raises(ValueError, match=r"prefix sources \['c'\] are not corpus streams"):
+        train.build_distill_data(target, Tok(), {"a": a}, train.DistillConfig(sources={"c": 1.0}), show_progress=False)

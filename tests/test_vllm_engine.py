@@ -258,6 +258,15 @@ def test_cpu_router_refuses_sigmoid_without_the_shim_and_matches_transformers_wi
     assert not after["defect"] and after["vllm_ids"] == after["transformers_ids"], after
 
 
+def test_cpu_expand_kernel_leaves_temperatures_uninitialised_without_the_shim():
+    result = check_fix("repro_cpu_expand_kernel.py")
+    before, after = result["without_fix"], result["with_fix"]
+    if before["vllm"] == "0.32.0" and not before["has_triton"]:
+        assert before["defect"]
+    assert not after["defect"] and all(g == after["right_temperature_per_token"]
+                                       for g in after["vllm_temperature_per_token"]), after
+
+
 def test_the_shim_leaves_a_non_cpu_platform_alone():
     snippet = (
         "import vllm.platforms as P\n"
@@ -266,11 +275,13 @@ def test_the_shim_leaves_a_non_cpu_platform_alone():
         "P._current_platform = FakeGPU()\n"
         "from vllm import _custom_ops as ops\n"
         "from vllm.model_executor.layers.fused_moe.router.cpu_router import CPURouter\n"
-        "before = (ops.rms_norm, CPURouter._compute_routing)\n"
+        "from vllm.utils import cpu_triton_utils\n"
+        "state = lambda: (ops.rms_norm, CPURouter._compute_routing, cpu_triton_utils._expand_kernel_impl)\n"
+        "before = state()\n"
         "import vllm_cpu_shim\n"
         "vllm_cpu_shim.register()\n"
         "assert vllm_cpu_shim.applied_fixes() == {}, vllm_cpu_shim.applied_fixes()\n"
-        "assert (ops.rms_norm, CPURouter._compute_routing) == before\n"
+        "assert state() == before\n"
         "print('untouched')\n"
     )
     done = run_in_vllm_venv(["-c", snippet])

@@ -148,27 +148,30 @@ def serve(*, num_speculative_tokens: int = 15, method: str = "dflash", target=No
 
     process = EngineProcess(cmd, engine_env(shim=shim), echo=echo, on_line=on_line)
     server = VLLMServer(process, port, model_name, cmd)
+    what = f"vLLM's server (target {target_dir}" + (f", drafter {drafter_dir})" if drafter_dir else ")")
     try:
-        _wait_until_ready(server, timeout_s, progress, stage)
+        _wait_until_ready(server, what, timeout_s, progress, stage)
         yield server
     finally:  # normal exit, an exception, Ctrl-C: the whole process group goes
         process.stop()
 
 
-def _wait_until_ready(server: VLLMServer, timeout_s: float, progress: bool, stage: dict) -> None:
+def _wait_until_ready(server: VLLMServer, what: str, timeout_s: float, progress: bool, stage: dict) -> None:
     """Poll /health until it answers 200; fail fast when the process exits first."""
     start = time.monotonic()
     with tqdm(total=round(timeout_s), unit="s", desc="starting vLLM", disable=not progress, leave=False,
               bar_format="{desc}: {n:.0f}s{postfix}") as bar:
+        shown = None
         while True:
             elapsed = time.monotonic() - start
-            if round(elapsed) != bar.n or bar.postfix != stage["now"]:
-                bar.n = round(elapsed)
-                bar.set_postfix_str(stage["now"], refresh=True)
+            if (round(elapsed), stage["now"]) != shown:  # redraw once a second or on a new stage
+                shown = (round(elapsed), stage["now"])
+                bar.n = shown[0]
+                bar.set_postfix_str(shown[1], refresh=True)
             code = server.process.poll()
             if code is not None:
                 time.sleep(0.3)  # let the log reader take the last lines
-                raise VLLMEngineError(f"vLLM's server exited with code {code} before it was ready:\n"
+                raise VLLMEngineError(f"{what} exited with code {code} before it was ready:\n"
                                       f"{server.process.failure_summary()}")
             try:
                 if server.get("/health", timeout=2.0) is not None:
@@ -176,6 +179,6 @@ def _wait_until_ready(server: VLLMServer, timeout_s: float, progress: bool, stag
             except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
                 pass
             if elapsed > timeout_s:
-                raise VLLMEngineError(f"vLLM's server was not ready after {timeout_s:.0f} s:\n"
+                raise VLLMEngineError(f"{what} was not ready after {timeout_s:.0f} s:\n"
                                       f"{server.process.failure_summary()}")
             time.sleep(0.5)

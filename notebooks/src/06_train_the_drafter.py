@@ -34,11 +34,12 @@ import torch
 from IPython.display import display
 
 from dflash_lab import train, viz
-from dflash_lab.assets import default_device, heldout_prompts, load_default_pair
+from dflash_lab.assets import DRAFTERS, default_device, heldout_prompts, load_default_pair
 from dflash_lab.checkpoint import load_drafter, save_drafter
+from dflash_lab.config import DFlashDrafterConfig
 from dflash_lab.repro import rounded
 from dflash_lab.runtime import seed_everything
-from dflash_lab.spec_decode import generate_on_prompts
+from dflash_lab.spec_decode import SpecDecodeStats, generate_on_prompts
 from dflash_lab.train.evaluate import AcceptanceProbe
 from dflash_lab.train.live import distill_small, drafter_train_config, train_live
 from dflash_lab.widgets import drafter_training_explorer
@@ -235,6 +236,41 @@ explorer = drafter_training_explorer(
 explorer
 
 # %% [markdown]
+# ## 8 · Paper or Poolside? The two shipped drafters
+#
+# The lab ships two drafters for its target, trained on the same self-distilled data
+# for the same GPU time (side by side on one H200, `scripts/train_pair_h200.sh`): the
+# paper's (`load_default_pair()`, full attention, non-causal) and Poolside's
+# (`load_default_pair(drafter="poolside")`, sliding window 64, causal). Their training
+# logs hold chapter 3's measurement on all 48 held-out prompts (CPU, float32, 64 new
+# tokens, `python -m dflash_lab.train evaluate --update-log`).
+
+# %%
+shipped = {}
+for name, path in DRAFTERS.items():
+    log = viz.read_training_log(path) if (path / "training_log.json").is_file() else {}
+    evals = {int(k.removeprefix("block_")): ev for k, ev in (log.get("final") or {}).items() if k.startswith("block_")}
+    if evals:
+        shipped[name] = {bs: SpecDecodeStats(num_drafts=ev["num_drafts"], num_draft_tokens=ev["num_drafts"] * (bs - 1),
+                                             num_accepted_tokens=ev["num_accepted_tokens"],
+                                             num_accepted_tokens_per_pos=ev["num_accepted_tokens_per_pos"])
+                         for bs, ev in sorted(evals.items())}
+for name, by_block in shipped.items():
+    dcfg = DFlashDrafterConfig.from_pretrained(DRAFTERS[name])
+    print(f"{name:8s} ({dcfg.layer_type}, window {dcfg.window}, causal {dcfg.is_causal}):",
+          ", ".join(f"block {bs} τ {s.mean_acceptance_length:.2f}" for bs, s in by_block.items()))
+
+# %%
+viz.drafter_comparison_figure(shipped, title="The shipped drafters on the 48 held-out prompts (CPU, float32)")
+
+# %%
+if len(shipped) == 2:
+    for bs in sorted(set(shipped["paper"]) & set(shipped["poolside"])):
+        a, b = (shipped[n][bs].mean_acceptance_length for n in ("paper", "poolside"))
+        print(f"block {bs:2d}: the {'paper' if a >= b else 'poolside'} drafter accepts more, "
+              f"τ {max(a, b):.2f} vs {min(a, b):.2f} ({abs(a - b) / min(a, b):.0%})")
+
+# %% [markdown]
 # ## Where the time went
 #
 # Wall times of this run (they vary by machine, so nbval ignores this cell).
@@ -266,3 +302,7 @@ print(
     f"It learns the near positions first: each later position needs every earlier one right, so the loss weights "
     f"fall along the block and the acceptance curve lifts from the left. Real speculative decoding with the saved "
     f"checkpoint gives τ {measured['after training'].mean_acceptance_length:.2f} (the probe: {last.mean_acceptance_length:.2f}).")
+if len(shipped) == 2:
+    a, b = (shipped[n][16].mean_acceptance_length for n in ("paper", "poolside"))
+    print(f"How it attends matters too: trained alike, the paper's full-attention, non-causal drafter accepts "
+          f"τ {a:.2f} at block 16 on the 48 held-out prompts, Poolside's sliding-window, causal one τ {b:.2f}.")

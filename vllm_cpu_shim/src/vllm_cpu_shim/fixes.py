@@ -204,7 +204,9 @@ def expand_errors(expand) -> list[str]:
         expand(out, x, cu, replace_from, replace_to)
         want = reference_expand(x, cu, replace_from, replace_to, 5)
         if not torch.equal(out, want):
-            wrong.append(f"{str(dtype).removeprefix('torch.')} {values} -> {out.tolist()} instead of {want.tolist()}")
+            got = [float(f"{v:.3g}") for v in out.tolist()]
+            wrong.append(f"{str(dtype).removeprefix('torch.')} {values} -> {got} instead of "
+                         f"{[float(f'{v:.3g}') for v in want.tolist()]}")
     return wrong
 
 
