@@ -358,8 +358,8 @@ def test_thirty_seconds_of_cpu_training_from_scratch_beat_the_untrained_drafter(
     prompts = [tokenizer.encode(p["text"], add_special_tokens=False)[-48:] for p in heldout_prompts()[:6]]
     probe = train.AcceptanceProbe(target, prompts, max_new_tokens=24, max_block_size=4)
     cfg = drafter_train_config(target.config, steps=120, block_size=4, num_layers=1, attention=attention,
-                               intermediate_size=256, batch_size=8, anchors_per_seq=8, lr=5e-3, log_every=20,
-                               cache_target_features=True)
+                               intermediate_size=256, batch_size=8, anchors_per_seq=8, lr=5e-3, gamma=1.0,
+                               log_every=20, cache_target_features=True)
     run = train_live(target, data, cfg, probe, eval_every=60, show_progress=False)
     assert [s for s, _ in run.evals] == [0, 60, 120]
     before, after = run.before, run.after

@@ -23,6 +23,18 @@ VLLM_VENV_ENV = "DFLASH_LAB_VLLM_VENV"  # points the lab at another vLLM virtual
 SHIM_PLUGIN = "dflash_lab_cpu_shim"  # vllm_cpu_shim's entry-point name (vllm_cpu_shim/pyproject.toml)
 
 
+# vLLM errors whose cause is not obvious from vLLM's own message -> what it means for the lab's checkpoints.
+HINTS = {
+    "All drafting layers should belong to the same kv cache group": (
+        "vLLM split the drafter's attention layers over more than one KV-cache group (with a hybrid "
+        "sliding/full target, the layer counts decide the grouping: chapter 4), and its proposer needs them in "
+        "one; dflash_lab.kv_groups.vllm_kv_cache_groups shows the grouping. A drafter with a layer count that "
+        "lands in one group avoids it (with 4 sliding + 2 full target layers: 1 to 3 full-attention drafter layers)."),
+    "expected int, got NoneType": (
+        "transformers' strict LagunaConfig rejects a null in config.json: omit the key instead of writing null."),
+}
+
+
 class VLLMEngineError(RuntimeError):
     """vLLM could not be started, stopped before it was ready, or failed a run; the message names the cause."""
 
@@ -152,4 +164,6 @@ class EngineProcess:
         markers = ("Error", "error:", "Exception", "Traceback", "ERROR")
         key = next((ln for ln in reversed(tail) if any(m in ln for m in markers) and "Traceback" not in ln), None)
         body = "\n".join("    " + ln for ln in tail[-lines:])
-        return (f"{key.strip()}\n" if key else "") + f"  last lines of vLLM's output:\n{body}"
+        hints = [hint for marker, hint in HINTS.items() if any(marker in ln for ln in tail)]
+        return ((f"{key.strip()}\n" if key else "") + "".join(f"  hint: {h}\n" for h in hints)
+                + f"  last lines of vLLM's output:\n{body}")

