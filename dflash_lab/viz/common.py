@@ -91,12 +91,12 @@ def wrap_title(text: str, *, width: int = 80) -> tuple[str, int]:
     return "<br>".join(lines), len(lines)
 
 
-def titled(fig: go.Figure, title: str, *, height: int, width_chars: int = 80, bottom: int = 10) -> go.Figure:
+def titled(fig: go.Figure, title: str, *, height: int, width_chars: int = 100, bottom: int = 10) -> go.Figure:
     """Left-aligned, wrapped title with room above the plot, and the mode bar drawn vertically at
     the right edge so that it never covers the title."""
     text, lines = wrap_title(title, width=width_chars)
-    top = 28 + 20 * lines
-    fig.update_layout(title=dict(text=text, x=0, xanchor="left", y=1, yanchor="top", pad=dict(t=10, l=8)),
+    top = 36 + 22 * lines
+    fig.update_layout(title=dict(text=text, x=0, xanchor="left", y=1, yanchor="top", pad=dict(t=14, l=8)),
                       height=height + 20 * (lines - 1), margin=dict(l=10, r=40, t=top + 10, b=bottom),
                       modebar=dict(orientation="v"))
     return fig

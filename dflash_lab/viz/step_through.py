@@ -195,7 +195,8 @@ def step_through_html(result, step_index: int, tokenizer=None, *, mask=None, cau
         kind = "bonus" if n == k else "correction"
         summary = (f"<b>Step {step_index}</b> of {len(steps) - 1}: the drafter proposed <b>{k}</b> tokens in one "
                    f"forward; the target checked them in <b>one</b> forward and kept <b>{n}</b>, then added its own "
-                   f"{kind} token: <b>{len(step.token_ids)}</b> tokens for 1 target forward, so "
+                   f"{kind} token: <b>{len(step.token_ids)}</b> token{'s' if len(step.token_ids) != 1 else ''} for 1 "
+                   "target forward, so "
                    f"<b>{len(step.token_ids) - 1}</b> target forward{'s' if len(step.token_ids) != 2 else ''} "
                    "saved against plain decoding.")
     running = (f"So far: {produced} tokens from {forwards} target forwards (plain greedy decoding: {produced}), "

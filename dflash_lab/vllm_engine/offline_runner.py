@@ -136,7 +136,10 @@ def main(argv: list[str]) -> int:
 
     load_general_plugins()  # what the engine core does too; makes shim_status() report this process
     runs = []
-    for run in job["runs"]:
+    # ngram runs last: its proposer loads numba, and a later engine in the same process then dies
+    # re-registering vLLM's CPU kernel overrides (triton_utils/dispatcher.py _rebind_kernels calls
+    # vars(x).get on every module attribute, and llvmlite's _lib_fn_wrapper breaks it).
+    for run in sorted(job["runs"], key=lambda r: r.get("method") == "ngram"):
         runs.append(run_one(job, run))
         print(f"OFFLINE_RUNNER_DONE {run['name']}", flush=True)  # the lab's progress bar reads this line
     result = {"vllm_version": vllm.__version__, "shim": shim_status(), "runs": runs}

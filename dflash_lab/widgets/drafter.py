@@ -135,12 +135,17 @@ def drafter_config_explorer(config: dict, *, target_config=None) -> widgets.VBox
     load_controls()
     fig = figure_widget(figure())
 
+    shown = {"title": fig.layout.title.text}
+
     def redraw(*_):
         if syncing["on"]:
             return
         new = figure()
-        if new is not None:  # a refused config leaves the last valid picture
+        if new is not None:
             _redraw_figure_widget(fig, new)
+            shown["title"] = fig.layout.title.text
+        else:  # a refused config leaves the last valid picture, and says so
+            fig.layout.title.text = f"Last valid config, not the refused one above: {shown['title']}"
 
     def on_preset(_):
         load_controls()

@@ -20,7 +20,7 @@ def _block_mask(drafter, step):
     return dflash_attention_mask(positions, ctx, q, cfg.window, causal=cfg.is_causal)[0]
 
 
-def step_through(result, tokenizer=None, *, drafter=None, title: str | None = None, start: int = 1,
+def step_through(result, tokenizer=None, *, drafter=None, title: str | None = None, start: int | None = None,
                  interval_ms: int = 1500) -> widgets.VBox:
     """A step slider and a play button over ``result.steps`` (a ``SpecDecodeResult``).
 
@@ -28,11 +28,14 @@ def step_through(result, tokenizer=None, *, drafter=None, title: str | None = No
     per position, the target's choice, the verdict, the emitted tokens and the target
     forwards saved; with a DFlash ``drafter``, its attention inside the block (causal or
     not, and its window, resolved from its config as vLLM does). The returned box exposes
-    ``.step``, ``.play`` and ``.view``.
+    ``.step``, ``.play`` and ``.view``. ``start``: the step shown first (default: the first
+    step where some drafts were kept and one was rejected).
     """
     last = len(result.steps) - 1
     if last < 0:
         raise ValueError("result has no steps: generate at least one token")
+    if start is None:  # the first step that shows everything: some drafts kept, then a rejection
+        start = next((i for i, s in enumerate(result.steps) if 0 < s.num_accepted < len(s.draft_ids)), min(1, last))
     step = widgets.IntSlider(value=min(max(start, 0), last), min=0, max=last, description="step",
                              continuous_update=True, style=WIDE, layout=widgets.Layout(width="420px"))
     play = widgets.Play(value=step.value, min=0, max=last, interval=interval_ms, description="play",
