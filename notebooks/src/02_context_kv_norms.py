@@ -1,15 +1,17 @@
 # %% [markdown]
 # # Chapter 2 · The context K/V
 #
-# **Question.** What context K/V does the drafter precompute from the target's
+# **Question.** What [context K/V](GLOSSARY.md#context-kv) does the
+# [drafter](GLOSSARY.md#drafter) precompute from the [target's](GLOSSARY.md#target)
 # features, and do the three ways of computing it agree?
 #
-# Before a block is drafted, every drafter layer needs keys and values for every
-# context position: the positions the target has already processed. DFlash computes
-# them once from the target's hidden features and then extends them after each step.
-# vLLM projects context K/V for **every verified position** of a step, rejected drafts
-# included: those rows sit in their cache slots, hidden from attention by `seq_lens`,
-# and are overwritten by the next step (`v1/spec_decode/dflash.py:183-188`). The lab
+# Before a [block](GLOSSARY.md#draft-block) is drafted, every drafter layer needs keys
+# and values for every context position: the positions the target has already processed.
+# [DFlash](GLOSSARY.md#dflash) computes them once from the target's hidden features and
+# then extends them after each step. vLLM projects context K/V for **every
+# [verified](GLOSSARY.md#verification) position** of a step, rejected drafts included:
+# those rows sit in their cache slots, hidden from attention by `seq_lens`, and are
+# overwritten by the next step (`v1/spec_decode/dflash.py:183-188`). The lab
 # appends only the accepted positions: the same K/V wherever attention can look, at a
 # smaller cost. For drafter layer *l* and context state *x*:
 #
@@ -21,7 +23,7 @@
 # |---|---|
 # | `reference` | a loop over layers: the readable definition |
 # | `batched` | vLLM 0.33's *structure* in plain torch ops: stacked weights, one batched RMSNorm of L copies of the context, one batched GEMM, one batched K-norm, RoPE on all layers at once |
-# | `folded` | ours: fold each layer's RMSNorm weight into its K/V rows once, normalise the context once, ONE GEMM for every layer's K and V, then K-norm + RoPE in one pass |
+# | [`folded`](GLOSSARY.md#folded-path) | ours: fold each layer's RMSNorm weight into its K/V rows once, normalise the context once, ONE GEMM for every layer's K and V, then K-norm + RoPE in one pass |
 #
 # `batched` follows vLLM's three methods (`_build_context_kv_buffers`,
 # `_project_context_kv`, `_normalize_context_k`), but vLLM runs its own kernels there:
@@ -35,6 +37,7 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing in the lab reaches the network
 
 import copy
+import math
 
 import torch
 import torch.nn.functional as F
@@ -175,6 +178,7 @@ viz.k_norm_effect_figure(k_before, k, positions=positions)
 # %%
 drafter32 = copy.deepcopy(drafter).float()
 context32 = context.float()
+agreements = {}  # (dtype, path) -> context_kv_agreement's verdict, kept for the answer
 for dtype_name in CONTEXT_KV_DTYPES:
     dtype = getattr(torch, dtype_name)
     model = drafter32 if dtype == torch.float32 else copy.deepcopy(drafter32).to(dtype)
@@ -182,7 +186,7 @@ for dtype_name in CONTEXT_KV_DTYPES:
         ref = model.precompute_context_kv(context32.to(dtype), positions, path="reference")
         for path in ("batched", "folded"):
             out = model.precompute_context_kv(context32.to(dtype), positions, path=path)
-            agree = context_kv_agreement(out, ref)
+            agree = agreements[dtype_name, path] = context_kv_agreement(out, ref)
             print(f"{dtype_name:8s} {path:7s} agrees with reference: {agree['ok']} "
                   f"(worst-case bound {agree['max_tol']:.2g} at max |K|,|V| {max(r.abs().max().item() for r in ref):.2g})")
 
@@ -199,30 +203,34 @@ context_kv_path_explorer(drafter32, context32, positions)
 # ## 5 · What the sliding window hides, and what causality hides
 #
 # A block of 8 starts right after 24 context positions. Every query sees the context
-# before the block. Inside the block, vLLM decides per layer (`_dflash_layer_causal`,
-# first match wins): `is_causal` or `dflash_config.causal` if the config sets one;
-# otherwise a layer is **causal exactly when it is `sliding_attention`**. A causal
+# before the block. Inside the block, vLLM decides per layer whether it is
+# [causal](GLOSSARY.md#causal) (`_dflash_layer_causal`, first match wins): `is_causal`
+# or `dflash_config.causal` if the config sets one; otherwise a layer is **causal
+# exactly when it is `sliding_attention`**. A causal
 # query sees the block keys at or before its own position; a non-causal one sees the
 # whole block. Poolside's real drafters (Laguna-S-2.1-DFlash, XS-2.1) are sliding and
 # causal; the DFlash paper's are full attention and non-causal. Why causal for sliding
 # layers: vLLM's sliding-window kernels are causal windows `(w, 0)`, and a causal
 # drafter can reuse them and the same cache layout as the target's sliding layers.
 #
-# With a sliding window of *w*, a causal query at position *p* sees only keys at
-# positions > *p − w* (window `(w, 0)`); for a non-causal layer vLLM makes the window
-# symmetric (`_maybe_symmetrize_window`: `(w, w)`, |*p* − *k*| < *w*). The window limits
-# **compute**: the K/V store stays full (vLLM gives DFlash drafter layers a
-# full-attention KV cache even when they slide), because the next block's queries sit
-# further right and the store is written at absolute positions.
+# With a [sliding window](GLOSSARY.md#sliding-window) of *w*, a causal query at position
+# *p* sees only keys at positions > *p − w* (window `(w, 0)`); for a non-causal layer
+# vLLM makes the window symmetric (`_maybe_symmetrize_window`: `(w, w)`, |*p* − *k*| <
+# *w*). The window limits **compute**: the K/V store stays full (vLLM gives DFlash
+# drafter layers a full-attention KV cache even when they slide), because the next
+# block's queries sit further right and the store is written at absolute positions.
 
 # %%
 block_positions = torch.arange(24, 32)[None]
+masks = {}  # (causal, window) -> which keys each block query sees, (8 queries, 24 context + 8 block keys)
 for causal in (True, False):
     for window in (8, 4, None):
         mask = dflash_attention_mask(block_positions, torch.arange(24), block_size=8, window=window, causal=causal)[0]
+        masks[causal, window] = mask
         print(f"{'causal    ' if causal else 'non-causal'} window {str(window):4s}: context keys seen per block query "
               f"{mask[:, :24].sum(-1).tolist()}, block keys seen {mask[:, 24:].sum(-1).tolist()}")
 
+# %% [markdown]
 # Toggle the window, move its size and switch causality: blue cells are context keys
 # a query sees, orange cells block keys, grey cells hidden. With causality on (vLLM's
 # default for sliding layers) the block part is a triangle; off, the window is
@@ -238,6 +246,40 @@ sliding_window_explorer(context_len=24, block_size=8, window=8)
 # %%
 # NBVAL_IGNORE_OUTPUT
 print(f"{cfg.layer_type}, window {cfg.window}, causal inside the block: {cfg.is_causal}")
+
+# %% [markdown]
+# ## Answer
+#
+# **What context K/V does the drafter precompute from the target's features, and do
+# the three ways of computing it agree?** The numbers this chapter computed:
+
+# %%
+def row_spread(x):  # (L, T, nkv, hd) -> mean over layers of (max - min) / mean of the per-head norm along positions
+    n = x.float().norm(dim=-1).mean(dim=-1)  # (L, T)
+    return ((n.max(dim=1).values - n.min(dim=1).values) / n.mean(dim=1)).mean().item()
+
+
+def deviation(err, dtype_name):  # bfloat16 errors come in whole rounding steps; float32 ones only as a magnitude
+    if err == 0:
+        return "0 (identical)"
+    return f"{err:.2g}" if dtype_name == "bfloat16" else f"under {10 ** math.ceil(math.log10(err)):.0e}"
+
+
+print(f"- What: for each of its {L} layers, one K and one V per context position, {nkv} KV heads x {hd} channels "
+      f"each: {L * 2 * nkv * hd:,} numbers per position ({T} positions here), computed from the target's layers "
+      f"{cfg.target_layer_ids} combined into one context state.")
+print(f"- K-norm makes K's size independent of the context: along the positions, per-head |K| varies by "
+      f"{row_spread(k_before):.2f} of its mean before K-norm and {row_spread(k):.2f} after; V, not normalised, "
+      f"by {row_spread(v):.2f}.")
+for dtype_name in CONTEXT_KV_DTYPES:
+    found = {path: agreements[dtype_name, path] for path in ("batched", "folded")}
+    print(f"- {dtype_name}: all paths agree with the reference: {all(a['ok'] for a in found.values())}; largest "
+          f"deviation " + ", ".join(f"{path} {deviation(a['max_err'], dtype_name)}" for path, a in found.items())
+          + f" (bound {found['folded']['max_tol']:.2g}).")
+seen = masks[True, 8][:, :24].sum(-1)
+print(f"- A causal sliding window of 8 hides context from queries, not from the cache: block queries see "
+      f"{seen.max().item()} down to {seen.min().item()} of 24 context keys, while the store keeps K/V for all "
+      f"{k.shape[1]} positions.")
 
 # %% [markdown]
 # **Where next.** Chapter 3 puts the context K/V to work: draft, verify, accept, and

@@ -1,42 +1,48 @@
 # %% [markdown]
 # # Chapter 4 · Hybrid KV-cache groups: which group is the drafter's?
 #
-# **Question.** A Laguna target mixes sliding-window and full-attention layers, and its
-# DFlash drafter adds attention layers of its own. How does vLLM 0.33 pack all of them
-# into *KV-cache groups*, which group holds the drafter, and does vLLM need to know?
+# **Question.** A Laguna [target](GLOSSARY.md#target) mixes
+# [sliding-window](GLOSSARY.md#sliding-window) and full-attention layers, and its
+# [DFlash](GLOSSARY.md#dflash) [drafter](GLOSSARY.md#drafter) adds attention layers of
+# its own. How does vLLM 0.33 pack all of them into
+# *[KV-cache groups](GLOSSARY.md#kv-cache-group)*, which group holds the drafter, and
+# does vLLM need to know?
 #
 # ## In plain words
 #
 # While a model generates, every attention layer keeps the keys and values (K/V) of
-# every token it has seen: the **KV cache**. vLLM stores it in fixed-size *blocks*
-# (16 tokens each here), and each request has a **block table**, the list of block ids
-# that hold its tokens.
+# every token it has seen: the **[KV cache](GLOSSARY.md#kv-cache)**. vLLM stores it in
+# fixed-size *blocks* (16 tokens each here), and each request has a **block table**, the
+# list of block ids that hold its tokens.
 #
 # Layers whose caches behave alike can share one block table: the same block ids,
 # allocated and freed together. Such a set of layers is a **KV-cache group**. A hybrid
 # model needs several groups, because its layers behave differently: a sliding-window
 # layer only needs the last 512 tokens and can free older blocks, a full-attention
-# layer must keep them all, and a Mamba/GDN layer keeps one fixed-size state instead
-# of per-token K/V.
+# layer must keep them all, and a [Mamba/GDN](GLOSSARY.md#kv-cache-group) layer keeps
+# one fixed-size state instead of per-token K/V.
 #
 # A drafter adds layers of its own. DFlash's drafter keeps K/V of the target's context
-# (chapter 2), so its layers need a KV cache, and vLLM puts them into one of the groups.
+# ([context K/V](GLOSSARY.md#context-kv), chapter 2), so its layers need a KV cache, and
+# vLLM puts them into one of the groups.
 #
-# **Why the drafter's group can matter: prefix caching.** When a new request starts
-# with a prompt vLLM has already seen, it reuses the cached blocks instead of
-# recomputing them. For EAGLE-style drafters (eagle, eagle3, MTP) the draft K/V at a
-# position was built from the *next* token, which the new request may not share; so
-# vLLM can give back the last matched block in the drafter's groups and recompute it.
-# To know where, it flags the drafter's groups (`is_eagle_group`). DFlash builds its
-# K/V from the target's hidden states alone, so it never needs this.
+# **Why the drafter's group can matter: [prefix caching](GLOSSARY.md#prefix-caching).**
+# When a new request starts with a prompt vLLM has already seen, it reuses the cached
+# blocks instead of recomputing them. For [EAGLE](GLOSSARY.md#eagle)-style drafters
+# (eagle, eagle3, [MTP](GLOSSARY.md#mtp)) the draft K/V at a position was built from the
+# *next* token, which the new request may not share; so vLLM can give back the last
+# matched block in the drafter's groups and recompute it. To know where, it flags the
+# drafter's groups (`is_eagle_group`). DFlash builds its K/V from the target's hidden
+# states alone, so it never needs this.
 #
 # The rest of the chapter runs **vLLM 0.33's own code** on the CPU: its grouping
 # (`get_kv_cache_groups`), its engine-level annotation (`get_global_kv_cache_groups`),
 # its exact-partition check and its `SpeculativeConfig` predicates. On top of that it
-# applies the drafter-group rules of upstream vLLM #55390 (a patch 0.33 does not have),
-# and says where the lab goes beyond them. The lab's code: `kv_specs.py` (per-layer
-# specs), `kv_presets.py` (the models), `kv_groups.py` (grouping + #55390's rules),
-# `kv_engine.py` (vLLM 0.33's engine path), `kv_layout.py` (rows and memory per group).
+# applies the drafter-group rules of upstream vLLM [#55390](GLOSSARY.md#pr-55390) (a
+# patch 0.33 does not have), and says where the lab goes beyond them. The lab's code:
+# `kv_specs.py` (per-layer specs), `kv_presets.py` (the models), `kv_groups.py`
+# (grouping + #55390's rules), `kv_engine.py` (vLLM 0.33's engine path), `kv_layout.py`
+# (rows and memory per group).
 
 # %%
 import logging
@@ -202,17 +208,17 @@ for m in kv_layout.group_memory(laguna_groups, kv_budget_bytes=1 << 30):
           f"pool={m.pool_bytes_per_block} B/block unused={m.unused_bytes_per_block} B/block")
 
 # %% [markdown]
-# **General and packed layouts.** The layout says how pages sit in memory. `LBHNC`
-# keeps each layer's pages together (layer outermost). `BLHNC` puts block outermost, so
-# one block holds a page of every layer. On a block-outermost layout vLLM takes its
-# *packed* path, which can put pages of different sizes side by side in one block, but
-# only when page sizes differ. In both Laguna pairs every layer has the same page size,
-# so both layouts group alike. A drafter whose attention is shaped differently from
-# the target's changes this. Give the toy drafter 4 KV heads instead of 2: its page
-# doubles. On the general path vLLM makes the pages equal again by doubling the
-# *target's* block size, and the drafter gets groups of its own (2 + 1 layers, both
-# found by the marker). On the packed path the drafter's pages sit next to the
-# target's full-attention pages in one group.
+# **General and packed layouts.** The layout says how pages sit in memory.
+# [`LBHNC`](GLOSSARY.md#lbhnc) keeps each layer's pages together (layer outermost).
+# `BLHNC` puts block outermost, so one block holds a page of every layer. On a
+# block-outermost layout vLLM takes its *[packed](GLOSSARY.md#packed-path)* path, which
+# can put pages of different sizes side by side in one block, but only when page sizes
+# differ. In both Laguna pairs every layer has the same page size, so both layouts group
+# alike. A drafter whose attention is shaped differently from the target's changes this.
+# Give the toy drafter 4 KV heads instead of 2: its page doubles. On the general path
+# vLLM makes the pages equal again by doubling the *target's* block size, and the
+# drafter gets groups of its own (2 + 1 layers, both found by the marker). On the packed
+# path the drafter's pages sit next to the target's full-attention pages in one group.
 
 # %%
 wide_drafter = dict(kv_specs.example_dflash_drafter_config(kv_specs.EXAMPLE_LAGUNA_CONFIG), num_key_value_heads=4)
@@ -308,11 +314,11 @@ for method in kv_groups.EAGLE_METHODS:
           f"{d.drops_last_block!s:>15s} {off.drops_last_block!s:>28s}")
 
 # %% [markdown]
-# So **DFlash and dspark never drop**: their draft K/V at a position does not depend on
-# the next token. Eagle, eagle3 and MTP need the drop, but with prefix caching on and
-# no KV connector, 0.33 extends each block's hash over the next token instead
-# (*lookahead block hashes*), and the scheduler then turns the drop off
-# (`v1/core/sched/scheduler.py:331, 342-345`). The drop runs with
+# So **DFlash and [dspark](GLOSSARY.md#dspark) never drop**: their draft K/V at a
+# position does not depend on the next token. Eagle, eagle3 and MTP need the drop,
+# but with prefix caching on and no KV connector, 0.33 extends each block's hash over
+# the next token instead (*lookahead block hashes*), and the scheduler then turns the
+# drop off (`v1/core/sched/scheduler.py:331, 342-345`). The drop runs with
 # `disable_lookahead_block_hashes` or a KV connector.
 #
 # **What a missed flag costs.** Not the drafter's blocks: every group gets its blocks,

@@ -3,15 +3,17 @@
 #
 # **Question.** How does a drafter learn its target?
 #
-# A DFlash drafter never sees a label written by a person. It learns from the
-# target itself: the target continues real prefixes greedily (*self-distillation*),
-# and the drafter is trained to draft those continuations a whole block at a time,
-# from the target's hidden features of the tokens before the block. This chapter runs
-# the recipe of `python -m dflash_lab.train drafter` in one sitting, on the shipped
-# target:
+# A [DFlash](GLOSSARY.md#dflash) [drafter](GLOSSARY.md#drafter) never sees a label
+# written by a person. It learns from the [target](GLOSSARY.md#target) itself: the
+# target continues real prefixes greedily
+# (*[self-distillation](GLOSSARY.md#self-distillation)*), and the drafter is trained to
+# draft those continuations a whole [block](GLOSSARY.md#draft-block) at a time, from the
+# target's hidden features of the tokens before the block. This chapter runs the recipe
+# of `python -m dflash_lab.train drafter` in one sitting, on the shipped target:
 #
 # 1. fresh self-distillation data: the target's greedy continuations of code it never trained on;
-# 2. the DFlash objective: blocks `[x_p, MASK, …]` at random anchors, each position pulled
+# 2. the DFlash objective: blocks `[x_p, MASK, …]` (MASK is the
+#    [mask token](GLOSSARY.md#mask-token)) at random anchors, each position pulled
 #    towards the target's distribution there, with weights that fall along the block;
 # 3. training, with held-out acceptance measured every few steps and drawn as it moves;
 # 4. the trained drafter saved in vLLM's layout, loaded back, and measured as chapter 3 does.
@@ -128,7 +130,8 @@ print("loss weights:   ", rounded(train.position_weights(B, gamma=RUN["gamma"]).
 # Held-out prompts (standard-library files that neither model trained on) keep their
 # last 64 tokens. The target's greedy continuation of each, and its features, are
 # computed once (`AcceptanceProbe`); a measurement then runs only the drafter and
-# replays greedy speculative decoding over its drafts, counted with vLLM's counters.
+# replays greedy [speculative decoding](GLOSSARY.md#speculative-decoding) over its
+# drafts, counted with vLLM's counters.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -141,11 +144,12 @@ print(f"{len(prompt_ids)} held-out prompts, {RUN['new_tokens']} new tokens each,
 # ## 5 · Train, and watch it learn
 #
 # `train_live` calls the CLI's `train_drafter` (same objective, same optimiser and
-# schedule) with a callback that measures the probe every few steps and moves the figure:
-# the loss on the left, held-out τ in the middle, and on the right the per-position
-# acceptance of the latest measurement next to the untrained drafter's (dotted). The
-# full-attention, non-causal drafter of the DFlash paper is trained here; §7 trains the
-# other kind.
+# schedule) with a callback that measures the probe every few steps and moves the
+# figure: the loss on the left, held-out [τ](GLOSSARY.md#tau) in the middle, and on the
+# right the [per-position acceptance](GLOSSARY.md#per-position-acceptance) of the latest
+# measurement next to the untrained drafter's (dotted). The full-attention,
+# non-[causal](GLOSSARY.md#causal) drafter of the DFlash paper is trained here; §7
+# trains the other kind.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -225,10 +229,11 @@ viz.compare_acceptance_figure(measured, title=f"Chapter 3's measurement, block {
 # ## 7 · Explore: depth, block size, attention, steps
 #
 # Press *train* to run the same loop with other settings. *Attention* switches between
-# the DFlash paper's drafter (full attention, every block position sees the whole
-# block) and Poolside's (a sliding window of 64 and causal inside the block, as vLLM
-# serves Laguna-S-2.1-DFlash). A window of 64 matters here because the prompts and
-# continuations run to a few hundred tokens, as 512 does for Poolside's long contexts.
+# the DFlash paper's drafter (full attention, every block position sees the whole block)
+# and Poolside's (a [sliding window](GLOSSARY.md#sliding-window) of 64 and causal inside
+# the block, as vLLM serves Laguna-S-2.1-DFlash). A window of 64 matters here because
+# the prompts and continuations run to a few hundred tokens, as 512 does for Poolside's
+# long contexts.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
