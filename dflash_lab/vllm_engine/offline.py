@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 
 from ..metrics import MetricsError, stats_from_prometheus_text
 from ..spec_decode import SpecDecodeStats
+from .kv_grouping import needs_hybrid_manager_disabled
 from .process import EngineProcess, VLLMEngineError, checkpoint_dirs, engine_env, vllm_python
 from .server import KV_CACHE_MEMORY_BYTES
 
@@ -76,6 +77,7 @@ class EngineResult:
     generate_s: float = 0.0
     vllm_version: str = ""
     shim: dict | None = None  # fixes the CPU shim applied; None when it was not loaded
+    hybrid_manager_disabled: bool = False  # served with --disable-hybrid-kv-cache-manager (kv_grouping.py)
 
 
 def _stats(before: str, after: str) -> SpecDecodeStats:
@@ -120,7 +122,8 @@ def _check_prompts(prompts) -> list[list[int]]:
 def run_offline(prompts, runs, *, max_new_tokens: int = 64, seed: int = 0, target=None, drafter=None,
                 dtype: str = "float32", max_model_len: int | None = None, enforce_eager: bool = True,
                 shim: bool = True, in_process: bool = True, venv=None, timeout_s: float = 1200.0,
-                progress: bool = True, echo=None) -> dict[str, EngineResult]:
+                progress: bool = True, echo=None, disable_hybrid_kv_cache_manager: bool | None = None,
+                ) -> dict[str, EngineResult]:
     """Every prompt through vLLM's ``LLM`` once per run; {run name: EngineResult}.
 
     prompts: token-id lists (given to vLLM as ``TokensPrompt``: no tokenizer in
@@ -129,6 +132,8 @@ def run_offline(prompts, runs, *, max_new_tokens: int = 64, seed: int = 0, targe
     makes exactly ``max_new_tokens`` tokens, like ``speculative_generate`` with
     no stop tokens. in_process runs vLLM's engine in the runner's own process
     (saves two vLLM imports per run). shim=False runs without the CPU shim.
+    disable_hybrid_kv_cache_manager: None decides by vLLM's grouping: on only
+    where the drafter's layers would land in two KV-cache groups (kv_grouping.py).
     """
     runs = [runs] if isinstance(runs, EngineRun) else list(runs)
     if not runs or not all(isinstance(r, EngineRun) for r in runs):
@@ -144,10 +149,13 @@ def run_offline(prompts, runs, *, max_new_tokens: int = 64, seed: int = 0, targe
     run_tokens = {r.name: r.max_new_tokens or max_new_tokens for r in runs}
     target_dir, drafter_dir = checkpoint_dirs(target, drafter, need_drafter=any(r.method == "dflash" for r in runs))
     python = vllm_python(venv)
+    if disable_hybrid_kv_cache_manager is None:
+        disable_hybrid_kv_cache_manager = drafter_dir is not None and needs_hybrid_manager_disabled(target_dir, drafter_dir)
     longest = max(len(p) + run_tokens[r.name] + r.num_speculative_tokens + 1 for r in runs for p in run_prompts[r.name])
     job = {"target": str(target_dir), "drafter": str(drafter_dir) if drafter_dir else None,
            "dtype": dtype, "max_model_len": max_model_len or max(512, longest),
            "kv_cache_memory_bytes": KV_CACHE_MEMORY_BYTES, "enforce_eager": enforce_eager, "seed": seed,
+           "disable_hybrid_kv_cache_manager": bool(disable_hybrid_kv_cache_manager),
            "runs": [{**asdict(r), "prompts": run_prompts[r.name], "max_new_tokens": run_tokens[r.name], "seed": seed}
                     for r in runs]}
 
@@ -180,7 +188,8 @@ def run_offline(prompts, runs, *, max_new_tokens: int = 64, seed: int = 0, targe
     return {r["name"]: EngineResult(name=r["name"], outputs=r["outputs"], stats=_stats(r["metrics_before"], r["metrics_text"]),
                                     metrics_text=r["metrics_text"], per_prompt=_per_prompt(r["steps"], sizes[r["name"]]),
                                     engine_start_s=r["engine_start_s"], generate_s=r["generate_s"],
-                                    vllm_version=result["vllm_version"], shim=result["shim"])
+                                    vllm_version=result["vllm_version"], shim=result["shim"],
+                                    hybrid_manager_disabled=bool(disable_hybrid_kv_cache_manager))
             for r in result["runs"]}
 
 

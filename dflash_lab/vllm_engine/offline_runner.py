@@ -9,7 +9,8 @@ this script and reads the result back:
 
 JOB.json:
     target, drafter          checkpoint directories (drafter may be null for ngram / no speculation)
-    dtype, max_model_len, kv_cache_memory_bytes, enforce_eager, seed
+    dtype, max_model_len, kv_cache_memory_bytes, enforce_eager, seed,
+    disable_hybrid_kv_cache_manager (one KV-cache group for all layers; see kv_grouping.py)
     runs                     list of {name, prompts (token-id lists, given as vllm.inputs.TokensPrompt:
                              no tokenizer involved), method: "dflash" | "ngram" | null,
                              num_speculative_tokens, temperature, max_new_tokens, draft_sample_method,
@@ -79,6 +80,7 @@ def run_one(job: dict, run: dict) -> dict:
         max_model_len=int(job.get("max_model_len", 512)),
         kv_cache_memory_bytes=int(job.get("kv_cache_memory_bytes", 512 * 2**20)),  # not a RAM share
         enforce_eager=bool(job.get("enforce_eager", True)),
+        disable_hybrid_kv_cache_manager=bool(job.get("disable_hybrid_kv_cache_manager", False)),
         seed=int(job.get("seed") or 0),
         speculative_config=speculative_config(run, job.get("drafter")),
         disable_log_stats=False,  # the spec-decode counters are stats

@@ -28,8 +28,8 @@ HINTS = {
     "All drafting layers should belong to the same kv cache group": (
         "vLLM split the drafter's attention layers over more than one KV-cache group (with a hybrid "
         "sliding/full target, the layer counts decide the grouping: chapter 4), and its proposer needs them in "
-        "one; dflash_lab.kv_groups.vllm_kv_cache_groups shows the grouping. A drafter with a layer count that "
-        "lands in one group avoids it (with 4 sliding + 2 full target layers: 1 to 3 full-attention drafter layers)."),
+        "one. dflash_lab.vllm_engine.kv_grouping.drafter_kv_groups shows the split; the lab passes "
+        "--disable-hybrid-kv-cache-manager for such pairs unless told not to (one group, same outputs)."),
     "expected int, got NoneType": (
         "transformers' strict LagunaConfig rejects a null in config.json: omit the key instead of writing null."),
 }

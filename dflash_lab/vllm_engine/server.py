@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 
 from ..metrics import stats_from_prometheus_text
 from ..spec_decode import SpecDecodeStats
+from .kv_grouping import needs_hybrid_manager_disabled
 from .process import EngineProcess, VLLMEngineError, checkpoint_dirs, engine_env, vllm_python
 
 HOST = "127.0.0.1"
@@ -113,7 +114,8 @@ class VLLMServer:
 @contextmanager
 def serve(*, num_speculative_tokens: int = 15, method: str = "dflash", target=None, drafter=None, port: int | None = None,
           dtype: str = "float32", max_model_len: int = 512, enforce_eager: bool = True, shim: bool = True,
-          venv=None, timeout_s: float = 600.0, progress: bool = True, echo=None, extra_args=()):
+          venv=None, timeout_s: float = 600.0, progress: bool = True, echo=None, extra_args=(),
+          disable_hybrid_kv_cache_manager: bool | None = None):
     """Start vLLM's OpenAI server with speculative decoding; yield a ``VLLMServer``; stop it on exit.
 
     target / drafter: checkpoint directories (default $DFLASH_LAB_TARGET /
@@ -122,6 +124,8 @@ def serve(*, num_speculative_tokens: int = 15, method: str = "dflash", target=No
     skips torch.compile (~30 s of start on a small CPU). shim=False starts vLLM
     without the lab's CPU shim (to see its defects). echo: a stream that gets
     vLLM's log lines as they come (``make serve`` passes stderr).
+    disable_hybrid_kv_cache_manager: None decides by vLLM's grouping (on only
+    where the drafter's layers would be split over two KV-cache groups).
 
     Raises FileNotFoundError for a missing checkpoint, VLLMEngineError for a
     missing .venv-vllm, a port in use, or a server that exits or never gets
@@ -133,12 +137,14 @@ def serve(*, num_speculative_tokens: int = 15, method: str = "dflash", target=No
         port = free_port()
     check_port_free(port)
     spec = speculative_config(method, num_speculative_tokens, drafter_dir)
+    if disable_hybrid_kv_cache_manager is None:
+        disable_hybrid_kv_cache_manager = drafter_dir is not None and needs_hybrid_manager_disabled(target_dir, drafter_dir)
     model_name = target_dir.name
     cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(target_dir),
            "--served-model-name", model_name, "--host", HOST, "--port", str(port), "--dtype", dtype,
            "--max-model-len", str(max_model_len), "--kv-cache-memory-bytes", str(KV_CACHE_MEMORY_BYTES),
            "--speculative-config", json.dumps(spec), "--enforce-eager" if enforce_eager else "--no-enforce-eager",
-           *map(str, extra_args)]
+           *(["--disable-hybrid-kv-cache-manager"] if disable_hybrid_kv_cache_manager else []), *map(str, extra_args)]
     stage = {"now": "starting Python"}
 
     def on_line(line: str) -> None:
