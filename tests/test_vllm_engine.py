@@ -128,8 +128,8 @@ def test_vllm_ran_with_the_shim_and_spec_decoding(vllm_runs):
 
 
 def test_the_shipped_drafter_needs_one_kv_group_and_gets_it_with_the_hybrid_manager_off(vllm_runs):
-    """vLLM's grouping (4 sliding + 2 full target layers, 4 full drafter layers) cuts groups of 4 and
-    splits the drafter 2 + 2; with the hybrid manager off all layers share one group."""
+    """vLLM's grouping (4 sliding + 2 full target layers, 4 full drafter layers) cuts the 6 full layers
+    into two groups of 3 and splits the drafter 2 + 2; with the hybrid manager off all layers share one group."""
     split = drafter_kv_groups(target_path(), drafter_path())
     assert len(split) == 2 and sorted(map(len, split)) == [2, 2], split
     assert len(drafter_kv_groups(target_path(), drafter_path(), hybrid_manager_disabled=True)) == 1

@@ -5,8 +5,8 @@ drafter attention layers belong to ONE KV-cache group. With a hybrid target
 (sliding + full layers) vLLM's grouping cuts each attention type into groups
 of equal size, and the layer counts alone decide where the cut falls: the
 shipped 6-layer target (4 sliding, 2 full) with a 4-layer full-attention
-drafter gives groups of 4 layers, and the drafter's four land 2 + 2 in two
-groups, so vLLM's engine refuses to start ("All drafting layers should belong
+drafter has 6 full-attention layers, which vLLM cuts into two groups of 3 (one
+target layer and two drafter layers each), so vLLM's engine refuses to start ("All drafting layers should belong
 to the same kv cache group"). Chapter 4 draws these groups.
 
 With ``--disable-hybrid-kv-cache-manager`` vLLM turns every sliding-window

@@ -243,10 +243,10 @@ for r in here:
     print(f"{r['label']:18s} {r['tokens_per_s']:7.1f} tokens/s  ({r['tokens_per_s'] / here[0]['tokens_per_s']:.2f}x plain)")
 
 # %% [markdown]
-# `benchmarks/spec_decode.json` (`python -m dflash_lab.bench spec-decode`) holds the same pair on
-# an NVIDIA H200 in bfloat16, twice: through this same eager loop (8 prompts × 96 tokens), and
-# through the lab's static-cache path with each step captured as a CUDA graph (batch 1; the way
-# vLLM runs, `dflash_lab.spec_decode.batched`). All on one figure: left, target forwards per token
+# `benchmarks/spec_decode.json` (`python -m dflash_lab.tools.bench spec-decode`) holds H200 runs in
+# bfloat16, twice: through this same eager loop (8 prompts × 96 tokens; carried over from an
+# earlier shipped pair), and, for this pair, through the lab's static-cache path with each step
+# captured as a CUDA graph (batch 1; the way vLLM runs, `dflash_lab.spec_decode.batched`). All on one figure: left, target forwards per token
 # (hatched bars: the H200 runs); right, τ against the measured speedup over plain greedy on the
 # same machine and path (circles: this machine, diamonds: H200 eager, squares: H200 with CUDA
 # graphs). The dashed diagonal is speedup = τ: what you would get if drafting were free and
@@ -416,8 +416,8 @@ explorer
 # One thing had to be set for vLLM to serve this pair at all. vLLM's DFlash proposer needs all
 # drafter layers in **one** [KV-cache group](GLOSSARY.md#kv-cache-group). With a hybrid target
 # (4 sliding + 2 full layers here) vLLM cuts each attention type into groups of equal size,
-# and the counts decide where the cut falls: groups of 4 layers, so the drafter's four
-# full-attention layers land two and two in two groups and vLLM refuses to start ("All
+# and the counts decide where the cut falls: the 2 + 4 full-attention layers become two groups
+# of three, each with two of the drafter's layers, and vLLM refuses to start ("All
 # drafting layers should belong to the same kv cache group"; [chapter 4](04_hybrid_kv_groups.ipynb)
 # draws these groups). With `--disable-hybrid-kv-cache-manager` every layer shares one group;
 # sliding layers still attend only inside their window, so the tokens do not change, only

@@ -58,7 +58,8 @@ from pathlib import Path
 
 from dflash_lab import kv_engine, kv_groups, kv_layout, kv_presets, kv_specs
 from dflash_lab import viz
-from dflash_lab.runtime import seed_everything
+from dflash_lab.runtime import drafter_path, seed_everything, target_path
+from dflash_lab.vllm_engine.kv_grouping import drafter_kv_groups
 from dflash_lab.widgets import kv_groups_explorer
 
 # torch sets its own loggers' levels when it is imported (just now): quiet its
@@ -206,6 +207,23 @@ laguna_groups, _ = group(laguna, "dflash", "laguna")
 for m in kv_layout.group_memory(laguna_groups, kv_budget_bytes=1 << 30):
     print(f"g{m.group} {m.kind:15s} layers={m.num_layers} group={m.bytes_per_block} B/block "
           f"pool={m.pool_bytes_per_block} B/block unused={m.unused_bytes_per_block} B/block")
+
+# %% [markdown]
+# ### The shipped pair: a drafter split over two groups
+#
+# The pair the other chapters load has a 6-layer target (4 sliding, 2 full) and a
+# 4-layer full-attention drafter: 4 sliding and 6 full layers. vLLM cuts the six full
+# layers into two groups of three (the four sliding ones make one group of four, so each
+# full group gets one padding slot), each holding one target layer and two of the drafter's: the drafter
+# is split over two groups. vLLM's DFlash proposer needs the drafter in one group and
+# refuses to start. The lab serves this pair with the hybrid manager off (one group for all
+# ten layers; see chapter 3 and `dflash_lab.vllm_engine.kv_grouping`). A drafter of 2 or 3
+# layers would fit in one group of this target.
+
+# %%
+for off in (False, True):
+    split = drafter_kv_groups(target_path(), drafter_path(), hybrid_manager_disabled=off)
+    print(f"hybrid manager {'off' if off else 'on '}: drafter layers per group {[len(g) for g in split]}  {split}")
 
 # %% [markdown]
 # **General and packed layouts.** The layout says how pages sit in memory.

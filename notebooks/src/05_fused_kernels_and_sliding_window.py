@@ -257,7 +257,7 @@ viz.speedup_vs_tau_figure(speed_records)
 # the same cause on a model this small: every kernel is latency-bound, so a
 # step costs about the same whatever it computes. Verifying 16 tokens costs
 # only ~1.2× one token's forward — that part works for DFlash — but the drafter
-# step is not free: three drafter layers, the lm_head, the context-K/V append
+# step is not free: four drafter layers, the lm_head, the context-K/V append
 # and the acceptance add almost half of a plain decoding step. At batch 32 the
 # target's own forward is already shared by 32 sequences, and drafting adds work
 # that plain decoding does not do. [Prompt lookup](GLOSSARY.md#prompt-lookup) has no
