@@ -437,10 +437,13 @@ def test_layout_figure_outlines_marked_draft_layers():
 
 def test_memory_figure_lists_every_group_and_its_unused_share_of_a_block():
     groups = kv.kv_cache_groups(kv_specs.laguna_dflash_specs(), method="dflash", model_type="laguna")
-    table, used, unused = viz.kv_group_memory_figure(kv_layout.group_memory(groups)).data
-    assert list(table.cells.values[0]) == ["g0", "g1"]
-    assert list(table.cells.values[3]) == ["", "⚑"]
+    memory = kv_layout.group_memory(groups)
+    used, unused = viz.kv_group_memory_figure(memory).data
+    assert list(used.y) == ["g0", "g1 ⚑"]
     assert list(used.x) == [32.0, 40.0] and list(unused.x) == [8.0, 0.0]  # KiB of a 40 KiB pool block
+    table = viz.kv_group_memory_table_html(memory)
+    assert table.count("<th ") == 11 and all(f">{h}</th>" in table for h in viz.kv_groups.MEMORY_HEADER)
+    assert table.count("<tr>") == 1 + 2 and "<b>⚑</b>" in table and "8.0\u00a0KiB\u00a0of\u00a040.0\u00a0KiB" in table
 
 
 def test_format_groups_marks_the_draft_group_and_the_marked_layers():
@@ -458,7 +461,7 @@ def _explorer():
     (preset, method, layout), (flagger,), (sliding, marked, hybrid_off) = (c.children for c in box.children[:3])
     controls = SimpleNamespace(preset=preset, method=method, layout=layout, flagger=flagger, sliding=sliding,
                                marked=marked, hybrid_off=hybrid_off, status=box.children[3])
-    return controls, box.children[4], box.children[5]
+    return controls, box.children[4], box.children[6]
 
 
 def _rows(fig):
@@ -481,7 +484,7 @@ def test_explorer_redraws_for_every_control():
     c.sliding.value = True
     c.hybrid_off.value = True
     assert _rows(layout_fig) == 1 and "hybrid manager disabled" in layout_fig.layout.title.text
-    assert len(memory_fig.data) == 3
+    assert len(memory_fig.data) == 2  # used and left empty; the numbers are the HTML table above it
 
 
 def kv_groups_explorer_title_names(flagger):

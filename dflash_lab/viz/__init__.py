@@ -14,10 +14,9 @@ model outputs themselves; they draw what they are given.
     training_live  chapter 6: a drafter's loss and held-out acceptance while it trains
 """
 
-from dflash_lab.viz.common import METHOD_COLOR_NAMES, METHOD_COLORS, PALETTE, method_color, save_figure
+from dflash_lab.viz.common import METHOD_COLOR_NAMES, METHOD_COLORS, PALETTE, html_table, method_color, save_figure
 from dflash_lab.viz.drafter import (
     PARAMETER_GROUPS,
-    html_table,
     layer_table_html,
     parameter_bars_figure,
     parameter_table_html,
@@ -43,7 +42,8 @@ from dflash_lab.viz.acceptance import (
     tau_vs_speedup_figure,
 )
 from dflash_lab.viz.step_through import step_through_html, step_verdicts
-from dflash_lab.viz.kv_groups import KV_KIND_COLORS, kv_group_layout_figure, kv_group_memory_figure
+from dflash_lab.viz.kv_groups import (KV_KIND_COLORS, kv_group_layout_figure, kv_group_memory_figure,
+                                      kv_group_memory_table_html)
 from dflash_lab.viz.kernels import CONTEXT_KV_PATH_STYLE, context_kv_timing_figure, window_acceptance_figure
 from dflash_lab.viz.training import plot_training_log, read_training_log
 from dflash_lab.viz.speed import speedup_vs_tau_figure, step_time_figure  # noqa: F401  (chapter 5: measured speed)
@@ -58,7 +58,7 @@ __all__ = [
     "acceptance_vs_block_size_figure", "acceptance_vs_temperature_figure", "compare_acceptance_figure",
     "per_position_acceptance_figure", "tau_vs_speedup_figure", "engine_vs_lab_figure",
     "step_through_html", "step_verdicts",
-    "KV_KIND_COLORS", "kv_group_layout_figure", "kv_group_memory_figure",
+    "KV_KIND_COLORS", "kv_group_layout_figure", "kv_group_memory_figure", "kv_group_memory_table_html",
     "CONTEXT_KV_PATH_STYLE", "context_kv_timing_figure", "window_acceptance_figure",
     "plot_training_log", "read_training_log",
     "drafter_comparison_figure", "live_training_figure", "update_live_training_figure",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import html
 import textwrap
 import warnings
 from pathlib import Path
@@ -131,3 +132,29 @@ def save_figure(fig, path, *, width: int | None = None, height: int | None = Non
         return fallback
     fig.write_image(path, width=width, height=height)
     return path
+
+
+_TABLE_CSS = ("border-collapse:collapse;font-size:12px;margin:4px 0;")
+_TH = "border:1px solid #ccc;padding:3px 8px;background:#eeeeee;text-align:left;"
+_TD = "border:1px solid #ddd;padding:2px 8px;"
+
+
+def html_table(header, rows, *, align=None, max_height: int | None = None, caption: str | None = None,
+               total=None) -> str:
+    """A plain HTML table (every cell shows on first draw, unlike plotly's Table); ``total`` is a last,
+    bold row; ``max_height`` (px) scrolls a long table with its header kept in view."""
+    align = align or ["left"] * len(header)
+    esc = html.escape
+    head = "".join(f'<th style="{_TH}position:sticky;top:0;text-align:{a}">{esc(str(h))}</th>'
+                   for h, a in zip(header, align))
+    body = "".join("<tr>" + "".join(f'<td style="{_TD}text-align:{a}">{c}</td>' for c, a in zip(r, align)) + "</tr>"
+                   for r in rows)
+    if total is not None:
+        body += "<tr>" + "".join(f'<td style="{_TD}text-align:{a};font-weight:bold;border-top:2px solid #999">{c}</td>'
+                                 for c, a in zip(total, align)) + "</tr>"
+    cap = f'<caption style="caption-side:top;text-align:left;font-weight:bold;padding:2px 0">{esc(caption)}</caption>' \
+        if caption else ""
+    table = f'<table style="{_TABLE_CSS}">{cap}<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>'
+    if max_height:
+        return f'<div style="max-height:{max_height}px;overflow-y:auto;display:inline-block">{table}</div>'
+    return table

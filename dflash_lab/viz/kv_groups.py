@@ -5,9 +5,8 @@ from __future__ import annotations
 import textwrap
 
 import plotly.graph_objects as go
-from plotly.subplots import make_subplots
 
-from dflash_lab.viz.common import PALETTE
+from dflash_lab.viz.common import PALETTE, html_table
 
 # One colour per vLLM spec kind (KVCacheSpecKind values).
 KV_KIND_COLORS = {
@@ -112,45 +111,41 @@ def kv_group_layout_figure(rows, *, title: str | None = None, warning: str | Non
     return fig
 
 
+MEMORY_HEADER = ["group", "kind", "layers", "draft", "tokens/block", "page", "bytes/block", "unused of pool block",
+                 "bytes/token", "blocks", "tokens held"]
+
+
+def kv_group_memory_rows(memory) -> list[list[str]]:
+    """One row per group (``kv_layout.group_memory`` rows), in MEMORY_HEADER's order, as text."""
+    return [[f"g{m.group}", m.kind, str(m.num_layers), "⚑" if m.is_draft_group else "", str(m.kv_block_size),
+             _kib(m.page_size_bytes), _kib(m.bytes_per_block),
+             f"{_kib(m.unused_bytes_per_block)}\u00a0of\u00a0{_kib(m.pool_bytes_per_block)}",
+             "state" if m.bytes_per_token is None else f"{m.bytes_per_token:,.0f}\u00a0B",
+             f"{m.num_blocks:,}", "state" if m.tokens is None else f"{m.tokens:,}"] for m in memory]
+
+
+def kv_group_memory_table_html(memory, *, caption: str | None = None) -> str:
+    """The per-group memory table as HTML (every cell shows on first draw); the draft group's row in bold."""
+    rows = [[f"<b>{c}</b>" if m.is_draft_group and c else c for c in row]
+            for m, row in zip(memory, kv_group_memory_rows(memory))]
+    align = ["left", "left"] + ["right"] * (len(MEMORY_HEADER) - 2)
+    return html_table(MEMORY_HEADER, rows, align=align, caption=caption)
+
+
 def kv_group_memory_figure(memory, *, title: str | None = None) -> go.Figure:
-    """Per-group memory (``kv_layout.group_memory`` rows): a table, and under it each
-    group's share of one pool block (used by its layers, left empty) as stacked bars."""
-    header = ["group", "kind", "layers", "draft", "tokens/block", "page", "bytes/block",
-              "unused of pool block", "bytes/token", "blocks", "tokens held"]
-    columns = [
-        [f"g{m.group}" for m in memory],
-        [m.kind for m in memory],
-        [m.num_layers for m in memory],
-        ["⚑" if m.is_draft_group else "" for m in memory],
-        [m.kv_block_size for m in memory],
-        [_kib(m.page_size_bytes) for m in memory],
-        [_kib(m.bytes_per_block) for m in memory],
-        [f"{_kib(m.unused_bytes_per_block)}\u00a0of\u00a0{_kib(m.pool_bytes_per_block)}" for m in memory],
-        ["state" if m.bytes_per_token is None else f"{m.bytes_per_token:,.0f}\u00a0B" for m in memory],
-        [f"{m.num_blocks:,}" for m in memory],
-        ["state" if m.tokens is None else f"{m.tokens:,}" for m in memory],
-    ]
-    fill = [[("#fbe3d6" if m.is_draft_group else "white") for m in memory]] * len(header)
-    table_height = 60 + 26 * max(len(memory), 1)  # header (two lines) + one line per group
-    bars_height = 60 + 28 * max(len(memory), 1)
-    fig = make_subplots(rows=2, cols=1, specs=[[{"type": "table"}], [{"type": "xy"}]],
-                        row_heights=[table_height, bars_height], vertical_spacing=0.06)
-    fig.add_trace(go.Table(
-        header=dict(values=header, fill_color=PALETTE["grey"], font=dict(color="white"), height=36),
-        cells=dict(values=columns, fill_color=fill, height=24),
-        columnwidth=[0.8, 2.4, 0.9, 0.7, 1.4, 1.3, 1.3, 2.6, 1.3, 1.1, 1.9],
-    ), row=1, col=1)
+    """Each group's share of one pool block (``kv_layout.group_memory`` rows): used by its layers
+    and left empty, as stacked bars. The numbers beside it: ``kv_group_memory_table_html``."""
     groups = [f"g{m.group}" + (" ⚑" if m.is_draft_group else "") for m in memory]
+    fig = go.Figure()
     for name, values, color in [
         ("used by the group's layers", [m.bytes_per_block / 1024 for m in memory], PALETTE["blue"]),
         ("left empty (pool block is wider)", [m.unused_bytes_per_block / 1024 for m in memory], PALETTE["grey"]),
     ]:
         fig.add_trace(go.Bar(orientation="h", y=groups, x=values, name=name, marker_color=color,
-                             hovertemplate="%{y}: %{x:,.1f} KiB<extra>" + name + "</extra>"), row=2, col=1)
-    fig.update_xaxes(title_text="KiB of one pool block: used by the group (blue), left empty (grey)", row=2, col=1)
-    fig.update_yaxes(autorange="reversed", row=2, col=1)
+                             hovertemplate="%{y}: %{x:,.1f} KiB<extra>" + name + "</extra>"))
+    fig.update_xaxes(title_text="KiB of one pool block: used by the group (blue), left empty (grey)")
+    fig.update_yaxes(autorange="reversed", automargin=True)
     heading, top = _title(*wrapped_title(title or "Memory per KV-cache group"))
-    fig.update_yaxes(automargin=True, row=2, col=1)
-    fig.update_layout(title=heading, barmode="stack", showlegend=False, height=50 + top + table_height + bars_height,
+    fig.update_layout(title=heading, barmode="stack", showlegend=False, height=top + 110 + 28 * max(len(memory), 1),
                       margin=dict(l=10, r=10, t=top, b=10))
     return fig

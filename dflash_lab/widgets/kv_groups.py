@@ -45,6 +45,7 @@ def kv_groups_explorer(*, kv_budget_bytes: int = 1 << 30) -> widgets.VBox:
                                   layout=widgets.Layout(width="auto"))
     status = widgets.HTML()
     layout_fig, memory_fig = go.FigureWidget(), go.FigureWidget()
+    memory_table = widgets.HTML()  # an HTML table: plotly's Table can leave header cells blank in a widget
     can_disable: dict[str, bool] = {}  # preset -> whether vLLM 0.33 can disable its hybrid manager
     syncing = {"on": False}  # set while controls are being made consistent: no redraw per change
 
@@ -105,8 +106,9 @@ def kv_groups_explorer(*, kv_budget_bytes: int = 1 << 30) -> widgets.VBox:
         show(layout_fig, viz.kv_group_layout_figure(kv_layout.describe_groups(groups, specs), title=title,
                                                     warning=warned[0] if warned else None))
         memory = kv_layout.group_memory(groups, layout=layout.value, kv_budget_bytes=kv_budget_bytes)
-        show(memory_fig, viz.kv_group_memory_figure(
-            memory, title=f"Memory per group for a {kv_budget_bytes / (1 << 30):g} GiB KV budget"))
+        memory_title = f"Memory per group for a {kv_budget_bytes / (1 << 30):g} GiB KV budget"
+        memory_table.value = viz.kv_group_memory_table_html(memory, caption=memory_title)
+        show(memory_fig, viz.kv_group_memory_figure(memory, title=memory_title + ": one pool block"))
 
     def on_preset(change):
         wanted = kv_presets.PRESETS[change["new"]]["method"]  # each model comes with its own drafter
@@ -122,4 +124,4 @@ def kv_groups_explorer(*, kv_budget_bytes: int = 1 << 30) -> widgets.VBox:
     redraw()
     controls = [widgets.HBox([preset, method, layout]), widgets.HBox([flagger]),
                 widgets.HBox([sliding, marked, hybrid_off]), status]
-    return widgets.VBox([*controls, layout_fig, memory_fig])
+    return widgets.VBox([*controls, layout_fig, memory_table, memory_fig])

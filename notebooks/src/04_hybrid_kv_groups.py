@@ -56,6 +56,8 @@ import dataclasses
 from collections import Counter
 from pathlib import Path
 
+from IPython.display import HTML, display
+
 from dflash_lab import kv_engine, kv_groups, kv_layout, kv_presets, kv_specs
 from dflash_lab import viz
 from dflash_lab.runtime import drafter_path, seed_everything, target_path
@@ -191,7 +193,8 @@ for m in xs2_memory:
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-viz.kv_group_memory_figure(xs2_memory, title="Laguna-XS.2 + DFlash · memory per group for 1 GiB").show()
+display(HTML(viz.kv_group_memory_table_html(xs2_memory, caption="Laguna-XS.2 + DFlash · memory per group for 1 GiB")))
+viz.kv_group_memory_figure(xs2_memory, title="Laguna-XS.2 + DFlash · one pool block per group").show()
 
 # %% [markdown]
 # ### The toy pair: padding
@@ -574,8 +577,9 @@ mine_groups = group_both(mine, "dflash", "laguna")
 # %%
 # NBVAL_IGNORE_OUTPUT
 draw(mine_groups["BLHNC"], mine, "Your config · packed layout (BLHNC)").show()
-viz.kv_group_memory_figure(kv_layout.group_memory(mine_groups["BLHNC"], layout="BLHNC"),
-                           title="Your config · memory per group for 1 GiB").show()
+mine_memory = kv_layout.group_memory(mine_groups["BLHNC"], layout="BLHNC")
+display(HTML(viz.kv_group_memory_table_html(mine_memory, caption="Your config · memory per group for 1 GiB")))
+viz.kv_group_memory_figure(mine_memory, title="Your config · one pool block per group").show()
 
 # %% [markdown]
 # ## Answer
