@@ -56,6 +56,8 @@ def shipped_variant(tmp_path, name: str, **changes) -> tuple:
     """The shipped drafter's config with ``changes``, saved by save_drafter (random weights)."""
     d = json.loads((DEFAULT_DRAFTER / "config.json").read_text())
     dflash = changes.pop("dflash_config", {})
+    if isinstance(changes.get("layer_types"), str):  # one type for every layer of the shipped drafter
+        changes["layer_types"] = [changes["layer_types"]] * d["num_hidden_layers"]
     d.update(changes)
     d["dflash_config"].update(dflash)
     cfg = DFlashDrafterConfig.from_dict(d)
@@ -75,8 +77,8 @@ def test_shipped_pair_passes_vllms_config_path(target_model_config, num_speculat
 
 @pytest.mark.parametrize("name,changes", [
     ("full", {}),
-    ("sliding-causal-by-type", {"layer_types": ["sliding_attention"] * 3, "sliding_window": 8}),
-    ("sliding-made-non-causal", {"layer_types": ["sliding_attention"] * 3, "sliding_window": 8,
+    ("sliding-causal-by-type", {"layer_types": "sliding_attention", "sliding_window": 8}),
+    ("sliding-made-non-causal", {"layer_types": "sliding_attention", "sliding_window": 8,
                                  "dflash_config": {"causal": False}}),
     ("full-made-causal", {"is_causal": True}),
 ])
