@@ -394,11 +394,19 @@ def test_the_training_explorer_trains_and_moves_its_figure():
                                     train_kwargs=dict(intermediate_size=64, num_aux_layers=2, batch_size=4,
                                                       anchors_per_seq=4, log_every=10))
     assert box.block_size.options == (4,)
+    assert len(box.figure.data[1].x) == 0  # nothing trained yet, nothing drawn
+    box.steps.value = 30  # every control shows what the next press will do
+    assert list(box.figure.layout.xaxis.range) == [0, 30] and "30 steps" in box.summary.value
+    box.steps.value = 20
     box.attention.value = "sliding 64, causal (Poolside)"
     run = box.train()
     assert [s for s, _ in run.evals] == [0, 10, 20] and run.drafter.config.is_causal
     assert list(box.figure.data[1].x) == [0, 10, 20] and len(box.figure.data[0].x) == 2
     assert "held-out τ" in box.summary.value
+    # Opened on a finished run, the figure shows it before any press.
+    again = drafter_training_explorer(target, {12: seqs.numpy().astype(np.uint16)}, probe, steps=20, eval_every=10,
+                                      block_size=4, start_from=run, start_label="the earlier run")
+    assert list(again.figure.data[1].x) == [0, 10, 20] and "the earlier run" in again.summary.value
 
 
 # --- the larger corpus: installed packages, licences, held-out split by path ----------------

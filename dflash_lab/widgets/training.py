@@ -16,7 +16,8 @@ ATTENTION_CHOICES = {  # label -> ATTENTION_PRESETS name
 
 def drafter_training_explorer(target, data: dict, probe, *, steps: int = 200, max_steps: int | None = None,
                               eval_every: int = 50, block_size: int = 8, num_layers: int = 2,
-                              train_kwargs: dict | None = None) -> widgets.VBox:
+                              train_kwargs: dict | None = None, start_from=None,
+                              start_label: str = "the run above") -> widgets.VBox:
     """Pick block size, drafter depth, attention and steps; press *train*; the figure moves as it learns.
 
     ``data`` is self-distillation data ({P: (n, P + continuation)}), ``probe`` an
@@ -25,18 +26,25 @@ def drafter_training_explorer(target, data: dict, probe, *, steps: int = 200, ma
     ``train_drafter`` with held-out acceptance every ``eval_every`` steps) and moves
     ``viz.live_training_figure``. The box exposes the controls, ``.figure``,
     ``.summary``, ``.runs`` (every finished run, newest last) and ``.train()``
-    (what the button does).
+    (what the button does). ``start_from``: a finished ``LiveRun`` drawn until the
+    first press (so the figure never opens empty), named ``start_label``.
     """
     blocks = [b for b in (4, 8, 16) if b <= probe.max_block_size]
     block = widgets.Dropdown(options=blocks, value=block_size if block_size in blocks else blocks[-1],
                              description="block size")
     depth = widgets.IntSlider(value=num_layers, min=1, max=4, description="layers", continuous_update=False)
-    attention = widgets.ToggleButtons(options=list(ATTENTION_CHOICES), description="attention")
+    attention = widgets.ToggleButtons(options=list(ATTENTION_CHOICES), description="attention",
+                                      style={"button_width": "auto"})  # the labels are long: never cut them
     n_steps = widgets.IntSlider(value=steps, min=eval_every, max=max_steps or 4 * steps, step=eval_every,
                                 description="steps", continuous_update=False)
     button = widgets.Button(description="train", button_style="primary", icon="play")
     summary = widgets.HTML("<i>press train</i>")
     figure = go.FigureWidget(viz.live_training_figure(label="drafter", total_steps=steps))
+    if start_from is not None:
+        figure.layout.xaxis.range = figure.layout.xaxis2.range = [0, start_from.config.steps]
+        viz.update_live_training_figure(figure, start_from.log.get("loss_curve", []), start_from.evals,
+                                        label=start_label)
+        summary.value = f"<i>drawn: {start_label}; press train to run the settings above</i>"
     runs = []
 
     def train(*_):
@@ -57,6 +65,16 @@ def drafter_training_explorer(target, data: dict, probe, *, steps: int = 200, ma
                          f"({run.log['train_seconds']:.0f} s)")
         return run
 
+    def pending(*_):
+        # What the next press will train, and the axes it will fill: every control shows at once.
+        with figure.batch_update():
+            figure.layout.xaxis.range = figure.layout.xaxis2.range = [0, n_steps.value]
+            figure.layout.xaxis3.range = [0.5, block.value - 0.5]
+        summary.value = (f"<i>next run: {depth.value} layers, {attention.value}, block {block.value}, "
+                         f"{n_steps.value} steps; press train</i>")
+
+    for control in (block, depth, attention, n_steps):
+        control.observe(pending, names="value")
     button.on_click(train)
     box = widgets.VBox([widgets.HBox([block, depth, n_steps]), widgets.HBox([attention, button]), summary, figure])
     box.block_size, box.layers, box.attention, box.steps, box.button = block, depth, attention, n_steps, button

@@ -241,7 +241,8 @@ explorer = drafter_training_explorer(
     target, data, probe, steps=RUN["steps"], eval_every=RUN["eval_every"], block_size=RUN["block_size"],
     num_layers=RUN["layers"], train_kwargs=dict(batch_size=RUN["batch_size"], anchors_per_seq=RUN["anchors"],
                                                 lr=RUN["lr"], intermediate_size=RUN["intermediate"],
-                                                gamma=RUN["gamma"], log_every=20, cache_target_features=True))
+                                                gamma=RUN["gamma"], log_every=20, cache_target_features=True),
+    start_from=run, start_label="the paper drafter trained above")
 explorer
 
 # %% [markdown]
