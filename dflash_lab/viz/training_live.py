@@ -41,8 +41,7 @@ def live_training_figure(loss_curve=(), evals=(), *, label: str = "drafter", tot
     """
     (lx, ly), (tx, ty), (pos, latest, first) = _panels(list(loss_curve), list(evals))
     fig = make_subplots(rows=1, cols=3, horizontal_spacing=0.08, column_widths=[0.34, 0.28, 0.38],
-                        subplot_titles=("training loss", "held-out τ (mean acceptance length)",
-                                        "per-position acceptance, held-out"))
+                        subplot_titles=("training loss", "held-out τ", "held-out acceptance per position"))
     fig.add_trace(go.Scatter(x=lx, y=ly, mode="lines", name="loss", line=dict(color=PALETTE["blue"]),
                              hovertemplate="step %{x}: %{y:.3f}<extra>loss</extra>"), 1, 1)
     fig.add_trace(go.Scatter(x=tx, y=ty, mode="lines+markers", name="τ", line=dict(color=PALETTE["orange"]),
@@ -59,9 +58,10 @@ def live_training_figure(loss_curve=(), evals=(), *, label: str = "drafter", tot
     fig.update_xaxes(title_text="step", row=1, col=2)
     fig.update_xaxes(title_text="block position i", dtick=1, row=1, col=3)
     fig.update_yaxes(title_text="cross-entropy (nats)", row=1, col=1)
-    fig.update_yaxes(rangemode="tozero", row=1, col=2)
+    fig.update_yaxes(rangemode="tozero", title_text="τ (mean acceptance length)", row=1, col=2)
     fig.update_yaxes(range=[0, 1], title_text="rate", row=1, col=3)
-    fig.update_layout(title=_title(list(evals), label), height=360, margin=dict(l=10, r=10, t=80, b=10),
+    # A fixed width: a FigureWidget does not stretch to the page by itself, and three panels need room.
+    fig.update_layout(title=_title(list(evals), label), height=380, width=1000, margin=dict(l=10, r=10, t=80, b=10),
                       legend=dict(orientation="h", y=-0.25), bargap=0.2)
     return fig
 
