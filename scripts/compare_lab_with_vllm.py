@@ -50,11 +50,11 @@ def main() -> int:
         records.append({"method": method, "num_speculative_tokens": n, "lab": lab, "vllm": vllm,
                         "outputs_equal": vllm_result.outputs == [r.new_token_ids for r in results],
                         "counters_equal": lab == vllm})
+    first = engine[runs[0].name]  # what the runner reports is the same for every run of one call
     meta = {"what": __doc__.splitlines()[0], "date": f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d}",
-            "vllm": next(iter(engine.values())).vllm_version, "prompts": NUM_PROMPTS, "prompt_tokens": PROMPT_TOKENS,
+            "vllm": first.vllm_version, "prompts": NUM_PROMPTS, "prompt_tokens": PROMPT_TOKENS,
             "new_tokens": NEW_TOKENS, "dtype": "float32", "device": "cpu",
-            "hybrid_kv_cache_manager_disabled": next(iter(engine.values())).hybrid_manager_disabled,
-            "shim": next(iter(engine.values())).shim}
+            "hybrid_kv_cache_manager_disabled": first.hybrid_manager_disabled, "shim": first.shim}
     write_json(BENCHMARKS_DIR / "vllm_engine.json", {"meta": meta, "records": records})
     lines = [f"# The lab against vLLM {meta['vllm']}'s engine (CPU, float32, greedy)", "",
              f"{NUM_PROMPTS} held-out prompts x {NEW_TOKENS} new tokens; written by scripts/compare_lab_with_vllm.py "
