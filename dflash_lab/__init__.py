@@ -9,16 +9,10 @@ The package follows the data path of one DFlash step, a module per step, in this
     layers       RMSNorm and RoPE, the building blocks the drafter shares
     drafter      the DFlash drafter: combine_hidden_states, the attention mask, block drafting
     context_kv   the drafter's context K/V, three paths (reference, batched, folded) and one agreement rule
-    kernels      the fused Triton epilogue of the folded path (GPU)
     checkpoint   save/load in vLLM's DFlashLagunaForCausalLM layout (safetensors)
-    spec_decode  draft -> verify -> accept: proposers, sampling rules, stats, the loop, the GPU fast path
-    metrics      the same counters read from a vLLM /metrics page
+    spec_decode  draft -> verify -> accept: proposers, accept rules, stats, /metrics, the loop; fast/ backend
     vllm_engine  vLLM's own engine (CPU build, second virtualenv) on the same checkpoints
-    kv_specs     each layer's KV-cache spec (vLLM's classes): Laguna+DFlash, MTP, Qwen3.5, DeepSeek-V4
-    kv_presets   the KV-cache chapter's models by name, and a user's config.json
-    kv_groups    vLLM's grouping of hybrid KV caches and the draft-group rules (#55390)
-    kv_engine    what vLLM 0.33's engine itself does with those groups
-    kv_layout    the groups read back: rows for the figures, memory per group
+    kv_cache     vLLM's KV-cache specs, grouping of hybrid models, draft-group rules (#55390), memory
     viz          plotly figures from plain data
     widgets      ipywidgets controls wired to those figures
     export       data out: statistics as CSV/JSON, figures as SVG/HTML

@@ -1,7 +1,7 @@
 """Small building blocks of Laguna's layers: RMSNorm and partial neox-style RoPE.
 
 The drafter (``drafter.py``), the context-K/V paths (``context_kv.py``) and the
-fused kernel (``kernels.py``) all normalise and rotate the same way; this is the
+fused kernel (``spec_decode/fast/context_kv_kernel.py``) all normalise and rotate the same way; this is the
 one definition they share.
 """
 

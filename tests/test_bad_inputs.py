@@ -28,9 +28,9 @@ from dflash_lab.assets import load_default_pair
 from dflash_lab.checkpoint import CheckpointError, load_drafter, save_drafter
 from dflash_lab.config import ConfigError, DFlashDrafterConfig
 from dflash_lab.drafter import DFlashLagunaDrafter
-from dflash_lab.kv_groups import kv_cache_groups
-from dflash_lab.kv_specs import laguna_target_specs
-from dflash_lab.metrics import MetricsError, prometheus_text, stats_from_prometheus_text
+from dflash_lab.kv_cache.groups import kv_cache_groups
+from dflash_lab.kv_cache.specs import laguna_target_specs
+from dflash_lab.spec_decode.metrics import MetricsError, prometheus_text, stats_from_prometheus_text
 from dflash_lab.spec_decode import SpecDecodeStats, speculative_generate
 from dflash_lab.target import build_target, load_target, tiny_laguna_config
 

@@ -1,4 +1,4 @@
-"""The static, graphed decode path (spec_decode.batched) gives the eager loop's greedy output.
+"""The static, graphed decode path (spec_decode.fast.decoder) gives the eager loop's greedy output.
 
 CPU: the static forward against transformers', the fast path against
 ``speculative_generate`` token for token and counter for counter (float32),
@@ -21,9 +21,9 @@ import torch
 from dflash_lab.config import DFlashDrafterConfig
 from dflash_lab.drafter import DFlashLagunaDrafter
 from dflash_lab.spec_decode import speculative_generate
-from dflash_lab.spec_decode.batched import FastDecoder, fast_generate, fast_generate_batch, phase_times
-from dflash_lab.spec_decode.cuda_graphs import GraphedStep
-from dflash_lab.spec_decode.static_target import StaticTarget
+from dflash_lab.spec_decode.fast.decoder import FastDecoder, fast_generate, fast_generate_batch, phase_times
+from dflash_lab.spec_decode.fast.cuda_graphs import GraphedStep
+from dflash_lab.spec_decode.fast.static_target import StaticTarget
 from dflash_lab.target import build_target, target_forward, tiny_laguna_config
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -168,7 +168,7 @@ def test_a_graphed_step_off_cuda_is_a_plain_call():
 
 TRITON_SCRIPT = textwrap.dedent("""
     import json, torch
-    from dflash_lab.spec_decode import triton_ops
+    from dflash_lab.spec_decode.fast import triton_ops
     from dflash_lab.layers import RMSNorm, apply_rope, rope_cos_sin
     torch.manual_seed(0)
     errs = []

@@ -32,8 +32,8 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     iter_layer_specs,
 )
 
-from dflash_lab import kv_engine, kv_layout, kv_presets, kv_specs  # noqa: E402
-from dflash_lab import kv_groups as kv  # noqa: E402
+from dflash_lab.kv_cache import engine as kv_engine, layout as kv_layout, presets as kv_presets, specs as kv_specs  # noqa: E402
+from dflash_lab.kv_cache import groups as kv  # noqa: E402
 from dflash_lab import viz  # noqa: E402
 
 LAYOUTS = ["LBHNC", "BLHNC"]
@@ -51,7 +51,7 @@ def holds_mamba(group):
 
 def warned(caplog) -> bool:
     return any(
-        r.name == "dflash_lab.kv_groups" and kv.DRAFT_GROUP_WARNING in r.getMessage() for r in caplog.records
+        r.name == "dflash_lab.kv_cache.groups" and kv.DRAFT_GROUP_WARNING in r.getMessage() for r in caplog.records
     )
 
 
@@ -146,7 +146,7 @@ def test_qwen3_5_with_unaligned_pages_is_packed_on_the_block_outermost_layout():
 @pytest.mark.parametrize("method", ["eagle", "eagle3"])
 def test_qwen3_5_with_a_non_mtp_drafter_flags_nothing_and_warns(method, layout, caplog):
     specs = kv_specs.qwen3_5_hybrid_specs(with_mtp_layer=True)
-    with caplog.at_level(logging.WARNING, logger="dflash_lab.kv_groups"):
+    with caplog.at_level(logging.WARNING, logger="dflash_lab.kv_cache.groups"):
         groups = kv.kv_cache_groups(specs, method=method, model_type="qwen3_5", layout=layout)
     assert flagged(groups) == []
     assert warned(caplog)
@@ -157,7 +157,7 @@ def test_no_warning_where_nothing_drops(method, caplog):
     # FIDELITY §9.3: the flag-all fallback runs only with the block drop; dspark and dflash
     # have none in 0.33, so an unflagged hybrid costs nothing there and is not warned about.
     specs = kv_specs.qwen3_5_hybrid_specs(with_mtp_layer=True)
-    with caplog.at_level(logging.WARNING, logger="dflash_lab.kv_groups"):
+    with caplog.at_level(logging.WARNING, logger="dflash_lab.kv_cache.groups"):
         groups = kv.kv_cache_groups(specs, method=method, model_type="qwen3_5")
     assert flagged(groups) == []
     assert not warned(caplog)
@@ -830,8 +830,8 @@ def _python(code: str) -> subprocess.CompletedProcess:
 def test_importing_the_lab_does_not_import_vllm():
     run = _python("""
         import sys
-        import dflash_lab, dflash_lab.kv_specs, dflash_lab.kv_groups, dflash_lab.kv_layout, dflash_lab.viz, dflash_lab.widgets
-        import dflash_lab.kv_presets, dflash_lab.kv_engine
+        import dflash_lab, dflash_lab.kv_cache.specs, dflash_lab.kv_cache.groups, dflash_lab.kv_cache.layout, dflash_lab.viz, dflash_lab.widgets
+        import dflash_lab.kv_cache.presets, dflash_lab.kv_cache.engine
         print(sorted(m for m in sys.modules if m == "vllm" or m.startswith("vllm.")))
     """)
     assert run.returncode == 0, run.stderr
@@ -842,7 +842,8 @@ def test_missing_vllm_raises_an_import_error_that_says_how_to_install_it():
     run = _python("""
         import sys
         sys.modules["vllm"] = None  # as if vLLM were not installed
-        from dflash_lab import kv_groups, kv_layout, kv_specs, viz, widgets
+        from dflash_lab.kv_cache import groups as kv_groups, layout as kv_layout, specs as kv_specs
+        from dflash_lab import viz, widgets
         try:
             kv_groups.kv_cache_groups({"model.layers.0.self_attn.attn": None})
         except ImportError as exc:

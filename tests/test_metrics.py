@@ -15,7 +15,7 @@ import prometheus_client
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from dflash_lab.metrics import MetricsError, prometheus_text, stats_from_prometheus_text, stats_from_vllm_metrics
+from dflash_lab.spec_decode.metrics import MetricsError, prometheus_text, stats_from_prometheus_text, stats_from_vllm_metrics
 from dflash_lab.spec_decode import SpecDecodeStats
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "notebooks" / "data" / "vllm_metrics_example.txt"

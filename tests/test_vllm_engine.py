@@ -244,7 +244,7 @@ def test_server_metrics_equal_the_offline_engine_and_it_stops_on_failure(vllm_ru
         with serve(num_speculative_tokens=15, progress=False) as server:
             process = server.process
             outputs = server.complete(prompts["greedy"], max_tokens=GREEDY_NEW_TOKENS, temperature=0.0)
-            stats = server.spec_decode_stats()  # GET /metrics -> dflash_lab.metrics.stats_from_prometheus_text
+            stats = server.spec_decode_stats()  # GET /metrics -> dflash_lab.spec_decode.metrics.stats_from_prometheus_text
             assert outputs == vllm_runs["dflash15"].outputs
             assert counters(stats) == counters(vllm_runs["dflash15"].stats)
             raise _Boom  # leaving the block by an exception must still stop the server

@@ -11,10 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash_lab import kv_groups, kv_specs
+from dflash_lab.kv_cache import groups as kv_groups, specs as kv_specs
 from dflash_lab.config import ConfigError, DFlashDrafterConfig
 from dflash_lab.drafter import DFlashLagunaDrafter, dflash_attention_mask
-from dflash_lab.metrics import prometheus_text, stats_from_prometheus_text
+from dflash_lab.spec_decode.metrics import prometheus_text, stats_from_prometheus_text
 from dflash_lab.spec_decode import SpecDecodeStats, loop, speculative_generate
 from dflash_lab.target import build_target, tiny_laguna_config
 

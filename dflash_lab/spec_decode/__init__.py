@@ -4,49 +4,53 @@ One file per step, in data-path order (like vLLM's ``v1/spec_decode/``):
 
     proposers  where drafts come from: DFlash (context K/V + one drafter forward
                per block) and prompt lookup (vLLM's ``ngram``, no model)
-    sampling   the accept rules: logits -> probabilities, greedy accept,
-               rejection sampling
-    stats      ``SpecDecodeStats``: vLLM's acceptance counters and the lab's views
+    sampling   the accept rules, the one home of each: logits -> probabilities,
+               batched greedy accept, rejection sampling
+    stats      ``SpecDecodeStats``: vLLM's acceptance counters (the only place they are kept)
+    metrics    the same counters read from (and written as) a vLLM /metrics page
     loop       ``speculative_generate``: argument checks, the target's KV cache
                and verification forward, and the draft -> verify -> accept loop
 
-The same greedy decoding the way a server runs it on a GPU (same tokens):
+``fast/`` is a second backend of the same algorithm, the way a server runs it on a
+GPU: static buffers, Triton kernels and CUDA graphs around the drafter's own
+attention and the same accept rule (``fast/__init__`` lists its modules).
 
-    static_target   the target's forward over a preallocated KV cache, no host syncs
-    static_drafter  the drafter step over preallocated context K/V
-    triton_ops      one-kernel norms for those forwards
-    cuda_graphs     capture a step once, replay it with one launch
-    batched         ``fast_generate`` / ``fast_generate_batch``: several prompts, ragged acceptance
-
-The comparison CLI lives in ``dflash_lab.tools.compare_drafters``.
+Names are exported lazily (PEP 562): the drafter's context-K/V path imports the
+fused kernel from ``fast/``, and the drafter must be importable before the loop
+that uses it, so importing this package runs nothing until a name is asked for.
 """
 
-from .batched import FastDecoder, fast_generate, fast_generate_batch
-from .loop import (
-    SpecDecodeResult,
-    SpecDecodeStep,
-    check_generation_args,
-    crop_cache,
-    generate_on_prompts,
-    new_target_cache,
-    prompt_lookup_generate,
-    speculative_generate,
-    verify_forward,
-)
-from .proposers import DFlashContext, PromptLookupDrafter, dflash_draft_logits, prompt_lookup
-from .sampling import DRAFT_SAMPLE_METHODS, greedy_accept, logits_to_probs, rejection_sample, sample
-from .stats import SpecDecodeStats
+from __future__ import annotations
 
-__all__ = [
-    # the GPU fast path
-    "FastDecoder", "fast_generate", "fast_generate_batch",
+import importlib
+
+_EXPORTS = {
+    # the fast backend
+    "FastDecoder": "fast.decoder", "fast_generate": "fast.decoder", "fast_generate_batch": "fast.decoder",
     # proposers
-    "DFlashContext", "dflash_draft_logits", "prompt_lookup", "PromptLookupDrafter",
+    "DFlashContext": "proposers", "dflash_draft_logits": "proposers", "prompt_lookup": "proposers",
+    "PromptLookupDrafter": "proposers",
     # sampling
-    "DRAFT_SAMPLE_METHODS", "logits_to_probs", "sample", "greedy_accept", "rejection_sample",
-    # stats
-    "SpecDecodeStats",
+    "DRAFT_SAMPLE_METHODS": "sampling", "logits_to_probs": "sampling", "sample": "sampling",
+    "greedy_accept": "sampling", "greedy_accept_batch": "sampling", "rejection_sample": "sampling",
+    # stats and /metrics
+    "SpecDecodeStats": "stats", "stats_from_prometheus_text": "metrics", "prometheus_text": "metrics",
     # loop
-    "SpecDecodeStep", "SpecDecodeResult", "new_target_cache", "crop_cache", "verify_forward",
-    "check_generation_args", "speculative_generate", "prompt_lookup_generate", "generate_on_prompts",
-]
+    "SpecDecodeStep": "loop", "SpecDecodeResult": "loop", "new_target_cache": "loop", "crop_cache": "loop",
+    "verify_forward": "loop", "check_generation_args": "loop", "speculative_generate": "loop",
+    "prompt_lookup_generate": "loop", "generate_on_prompts": "loop",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    globals()[name] = value  # the next lookup is a plain attribute
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -2,7 +2,7 @@
 
 The counters and their definitions are vLLM's (``v1/spec_decode/metrics.py``,
 ``SpecDecodingStats.observe_draft``), so the same figures draw the lab's runs
-and a production server's /metrics (``dflash_lab.metrics`` reads those into a
+and a production server's /metrics (``dflash_lab.spec_decode.metrics`` reads those into a
 ``SpecDecodeStats``).
 """
 

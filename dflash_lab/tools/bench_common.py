@@ -17,7 +17,7 @@ import torch
 from ..config import DFlashDrafterConfig
 from ..drafter import DFlashLagunaDrafter
 from ..runtime import atomic_file, synchronized_time, write_json
-from ..spec_decode.cuda_graphs import GraphedStep
+from ..spec_decode.fast.cuda_graphs import GraphedStep
 
 # Laguna-XS.2's attention and width (transformers' LagunaConfig defaults); a drafter shares them.
 XS2 = dict(hidden_size=2048, num_attention_heads=48, num_key_value_heads=8, head_dim=128, intermediate_size=8192)

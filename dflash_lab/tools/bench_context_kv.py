@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from .. import kernels
+from ..spec_decode.fast import context_kv_kernel as kernels
 from ..context_kv import build_context_kv_buffers, context_kv_agreement, context_kv_batched
 from ..drafter import DFlashLagunaDrafter
 from ..runtime import BENCHMARKS_DIR, device_name, resolve_device

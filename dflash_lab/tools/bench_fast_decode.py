@@ -1,4 +1,4 @@
-"""Measured tokens/s of the shipped pair on the static, CUDA-graphed path (``spec_decode.batched``).
+"""Measured tokens/s of the shipped pair on the static, CUDA-graphed path (``spec_decode.fast.decoder``).
 
 One record per (method, block size, batch, CUDA graphs on/off):
 
@@ -26,7 +26,7 @@ from datetime import datetime, timezone
 import torch
 
 from ..runtime import device_name, synchronized_time
-from ..spec_decode.batched import PHASES, FastDecoder, phase_times
+from ..spec_decode.fast.decoder import PHASES, FastDecoder, phase_times
 from ..spec_decode.stats import SpecDecodeStats
 
 METHODS = ("target_only", "dflash", "prompt_lookup")
@@ -146,7 +146,7 @@ def fast_markdown(records, phases=None, *, n_prompts: int, max_new_tokens: int) 
     lines = [f"## Measured: the static path, CUDA graphs on and off ({r0['device']}, {r0['dtype']}, greedy)", "",
              f"{n_prompts} held-out prompts (last 256 tokens each) x {max_new_tokens} new tokens, in batches; "
              "static KV caches, MoE as " + f"`{r0.get('moe', '?')}`" + ", one CUDA graph per step "
-             "(`dflash_lab.spec_decode.batched`). Clock: prefill + decoding + host work, after an untimed warm-up "
+             "(`dflash_lab.spec_decode.fast.decoder`). Clock: prefill + decoding + host work, after an untimed warm-up "
              "(every prompt once). Runs: " + ", ".join(sorted({f"graphs {'on' if r['cuda_graphs'] else 'off'}: "
                                                                f"{r.get('measured', '?')}" for r in records})) + ". "
              "tokens/s (x target-only at the same batch and graphs setting; tau = mean acceptance length):", "",

@@ -4,7 +4,7 @@
 
 1. Measured (``bench_fast_decode``): tokens/s of target-only greedy decoding,
    DFlash and prompt lookup at each block size, at batch 1, 8 and 32, with CUDA
-   graphs on and off, on the static path (``dflash_lab.spec_decode.batched``),
+   graphs on and off, on the static path (``dflash_lab.spec_decode.fast.decoder``),
    and where a step's time goes (draft, verify, context K/V, accept).
 2. Projected (``bench_xs2``, GPU only): Laguna-XS.2's step times, graphed,
    with the measured acceptance.

@@ -15,7 +15,7 @@ T_drafter(B): one drafter step at the same width: the block forward with the
 Two timings of each: eager (``xs2_target_times`` / ``xs2_drafter_times``: wall
 time of transformers' forward, and the sum of its kernel times from the
 profiler) and graphed (``xs2_graphed_times``: the static path of
-``spec_decode.batched`` captured as one CUDA graph per block size, replayed).
+``spec_decode.fast.decoder`` captured as one CUDA graph per block size, replayed).
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from torch import nn
 from transformers import DynamicCache, LagunaConfig, LagunaForCausalLM
 
 from ..spec_decode import crop_cache
-from ..spec_decode.static_drafter import StaticDrafter
-from ..spec_decode.static_target import StaticTarget
+from ..spec_decode.fast.static_drafter import StaticDrafter
+from ..spec_decode.fast.static_target import StaticTarget
 from .bench_common import graphed_ms, kernel_ms, time_ms, xs2_drafter
 
 

@@ -1,7 +1,7 @@
 """Chapter 3: per-position acceptance.
 
 Every figure takes SpecDecodeStats: from speculative_generate, or from a vLLM
-server's /metrics through dflash_lab.metrics; both draw the same way.
+server's /metrics through dflash_lab.spec_decode.metrics; both draw the same way.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ from pathlib import Path
 
 def drafter_kv_groups(target_dir, drafter_dir, *, hybrid_manager_disabled: bool = False) -> list[list[str]]:
     """The drafter layers of each vLLM KV-cache group that holds any (vLLM 0.33's get_kv_cache_groups)."""
-    from .. import kv_groups, kv_specs
+    from ..kv_cache import groups as kv_groups, specs as kv_specs
 
     target = json.loads((Path(target_dir) / "config.json").read_text())
     drafter = json.loads((Path(drafter_dir) / "config.json").read_text())

@@ -21,7 +21,7 @@ from contextlib import contextmanager
 
 from tqdm.auto import tqdm
 
-from ..metrics import stats_from_prometheus_text
+from ..spec_decode.metrics import stats_from_prometheus_text
 from ..spec_decode import SpecDecodeStats
 from .kv_grouping import needs_hybrid_manager_disabled
 from .process import EngineProcess, VLLMEngineError, checkpoint_dirs, engine_env, vllm_python

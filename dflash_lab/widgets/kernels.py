@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import ipywidgets as widgets
 
-from dflash_lab import kernels, viz
+from dflash_lab import viz
+from dflash_lab.spec_decode.fast import context_kv_kernel as kernels
 from dflash_lab.context_kv import CONTEXT_KV_PATHS
 from dflash_lab.drafter import with_window
 from dflash_lab.spec_decode import generate_on_prompts

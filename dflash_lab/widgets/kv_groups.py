@@ -5,8 +5,8 @@ from __future__ import annotations
 import ipywidgets as widgets
 import plotly.graph_objects as go
 
-from dflash_lab import kv_engine, kv_layout, kv_presets
-from dflash_lab import kv_groups as kv  # vLLM itself is imported lazily (kv_specs.vllm_api)
+from dflash_lab.kv_cache import engine as kv_engine, layout as kv_layout, presets as kv_presets
+from dflash_lab.kv_cache import groups as kv  # vLLM itself is imported lazily (kv_specs.vllm_api)
 from dflash_lab import viz
 
 # Who flags the drafter's group: the lab's rules, #55390 exactly as seeded on 0.33, or

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 from dflash_lab.assets import heldout_prompts
-from dflash_lab.metrics import stats_from_prometheus_text
+from dflash_lab.spec_decode.metrics import stats_from_prometheus_text
 from dflash_lab.runtime import REPO_ROOT, atomic_file, drafter_path, load_tokenizer, target_path
 from dflash_lab.vllm_engine import serve
 
@@ -63,7 +63,7 @@ def main() -> int:
         f"{PROMPT_TOKENS} tokens of each as token ids, in one /v1/completions request: max_tokens {MAX_TOKENS}, "
         "temperature 0, ignore_eos.",
         "# Then: curl http://127.0.0.1:PORT/metrics, keeping the vllm:spec_decode_* families.",
-        f"# Read back with dflash_lab.metrics.stats_from_prometheus_text: {stats.num_drafts} drafts, "
+        f"# Read back with dflash_lab.spec_decode.metrics.stats_from_prometheus_text: {stats.num_drafts} drafts, "
         f"{stats.num_accepted_tokens} accepted, mean acceptance length {stats.mean_acceptance_length:.3f}.",
     ]
     atomic_file(OUT, lambda tmp: Path(tmp).write_text("\n".join(header) + "\n" + part))

@@ -4,7 +4,7 @@ The numbers are NOT from a real server. They imitate a DFlash drafter serving wi
 num_speculative_tokens = 15 (block size 16) on two data-parallel engines: each
 draft position is accepted, given the previous one was, with a probability that
 falls from 0.84 to 0.56. The spec-decode counters are written by
-dflash_lab.metrics.prometheus_text (vLLM's names, HELP texts and labels); a few
+dflash_lab.spec_decode.metrics.prometheus_text (vLLM's names, HELP texts and labels); a few
 other vLLM metrics sit around them, as on a real /metrics page.
 
     python notebooks/data/make_vllm_metrics_example.py
@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
-from dflash_lab.metrics import prometheus_text
+from dflash_lab.spec_decode.metrics import prometheus_text
 from dflash_lab.spec_decode import SpecDecodeStats
 
 MODEL = "laguna-xs.2"

@@ -45,7 +45,7 @@ from dflash_lab import viz
 from dflash_lab.assets import DRAFTERS, default_device, heldout_prompts, load_default_pair
 from dflash_lab.checkpoint import load_drafter
 from dflash_lab.export import export_stats
-from dflash_lab.metrics import stats_from_prometheus_text
+from dflash_lab.spec_decode.metrics import stats_from_prometheus_text
 from dflash_lab.repro import rounded
 from dflash_lab.runtime import BENCHMARKS_DIR, REPO_ROOT, drafter_path, seed_everything, target_path
 from dflash_lab.target import target_forward
@@ -246,7 +246,7 @@ for r in here:
 # `benchmarks/spec_decode.json` (`python -m dflash_lab.tools.bench spec-decode`) holds H200 runs in
 # bfloat16, twice: through this same eager loop (8 prompts × 96 tokens; carried over from an
 # earlier shipped pair), and, for this pair, through the lab's static-cache path with each step
-# captured as a CUDA graph (batch 1; the way vLLM runs, `dflash_lab.spec_decode.batched`). All on one figure: left, target forwards per token
+# captured as a CUDA graph (batch 1; the way vLLM runs, `dflash_lab.spec_decode.fast.decoder`). All on one figure: left, target forwards per token
 # (hatched bars: the H200 runs); right, τ against the measured speedup over plain greedy on the
 # same machine and path (circles: this machine, diamonds: H200 eager, squares: H200 with CUDA
 # graphs). The dashed diagonal is speedup = τ: what you would get if drafting were free and

@@ -39,9 +39,9 @@
 # (`get_kv_cache_groups`), its engine-level annotation (`get_global_kv_cache_groups`),
 # its exact-partition check and its `SpeculativeConfig` predicates. On top of that it
 # applies the drafter-group rules of upstream vLLM [#55390](GLOSSARY.md#pr-55390) (a
-# patch 0.33 does not have), and says where the lab goes beyond them. The lab's code:
-# `kv_specs.py` (per-layer specs), `kv_presets.py` (the models), `kv_groups.py`
-# (grouping + #55390's rules), `kv_engine.py` (vLLM 0.33's engine path), `kv_layout.py`
+# patch 0.33 does not have), and says where the lab goes beyond them. The lab's code is
+# the `dflash_lab/kv_cache/` package: `specs.py` (per-layer specs), `presets.py` (the models),
+# `groups.py` (grouping + #55390's rules), `engine.py` (vLLM 0.33's engine path), `layout.py`
 # (rows and memory per group).
 
 # %%
@@ -58,7 +58,7 @@ from pathlib import Path
 
 from IPython.display import HTML, display
 
-from dflash_lab import kv_engine, kv_groups, kv_layout, kv_presets, kv_specs
+from dflash_lab.kv_cache import engine as kv_engine, groups as kv_groups, layout as kv_layout, presets as kv_presets, specs as kv_specs
 from dflash_lab import viz
 from dflash_lab.runtime import drafter_path, seed_everything, target_path
 from dflash_lab.vllm_engine.kv_grouping import drafter_kv_groups

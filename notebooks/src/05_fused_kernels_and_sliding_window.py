@@ -62,7 +62,8 @@ import torch
 from IPython.display import display
 from tqdm.auto import tqdm
 
-from dflash_lab import kernels, viz
+from dflash_lab import viz
+from dflash_lab.spec_decode.fast import context_kv_kernel as kernels
 from dflash_lab.assets import default_device, heldout_prompts, load_default_pair
 from dflash_lab.context_kv import context_kv_agreement
 from dflash_lab.drafter import dflash_attention_mask, with_window
@@ -215,7 +216,7 @@ fused_kernel_explorer(drafter, context, positions, records)
 # transformers' forward with a growing cache, hundreds of tiny kernels launched
 # one by one from Python, and the shipped 8.8 M-parameter target takes ~34 ms
 # per forward there — launch overhead, not arithmetic. The lab's fast path
-# (`dflash_lab.spec_decode.batched`) computes the same thing the way a server
+# (`dflash_lab.spec_decode.fast.decoder`) computes the same thing the way a server
 # does: static KV caches written in place (slot = position, so a rejected draft
 # needs no crop), the MoE as grouped GEMMs, RMSNorm and head-norm + RoPE as one
 # kernel each, and every decode step — draft, verify, context-K/V append,

@@ -22,7 +22,7 @@ import math
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from .spec_decode.stats import SpecDecodeStats
+from .stats import SpecDecodeStats
 
 NUM_DRAFTS = "vllm:spec_decode_num_drafts"
 NUM_DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens"

@@ -17,8 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from dflash_lab.kv_groups import group_holds_mamba, group_layer_specs, grouping_config, layout_name
-from dflash_lab.kv_specs import check_spec_dict, positive_int, vllm_api
+from dflash_lab.kv_cache.groups import group_holds_mamba, group_layer_specs, grouping_config, layout_name
+from dflash_lab.kv_cache.specs import check_spec_dict, positive_int, vllm_api
 
 
 def spec_kind(spec) -> str:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import kernels
+from . import context_kv_kernel as kernels
 
 try:  # Triton is a GPU-side extra
     import triton

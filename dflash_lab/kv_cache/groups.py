@@ -36,9 +36,9 @@ import logging
 from functools import lru_cache
 from typing import Any
 
-from dflash_lab.kv_specs import check_spec_dict, vllm_api, vllm_version
+from dflash_lab.kv_cache.specs import check_spec_dict, vllm_api, vllm_version
 
-logger = logging.getLogger("dflash_lab.kv_groups")
+logger = logging.getLogger("dflash_lab.kv_cache.groups")
 
 # The text of rule 3's warning; tests and the notebook look for it.
 DRAFT_GROUP_WARNING = "no KV cache group could be identified as the draft model's"

@@ -27,7 +27,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from ..layers import apply_rope
+from ...layers import apply_rope
 from . import triton_ops
 from .static_target import additive_mask, gqa_attention, round_up
 

@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from dflash_lab import kv_specs, presets
+from dflash_lab.kv_cache import specs as kv_specs
+from dflash_lab import presets
 from dflash_lab.config import read_json  # the lab's one config.json reader
 
 # ``pair`` names a real Poolside pair in ``presets.DRAFTER_PRESETS``; ``mtp`` says the

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..layers import apply_rope
+from ...layers import apply_rope
 from . import triton_ops
 
 MOE_IMPLEMENTATIONS = ("auto", "grouped", "dense")

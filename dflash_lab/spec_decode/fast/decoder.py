@@ -32,14 +32,14 @@ import math
 
 import torch
 
-from ..drafter import DFlashLagunaDrafter
-from ..runtime import synchronized_time
+from ...drafter import DFlashLagunaDrafter
+from ...runtime import synchronized_time
 from .cuda_graphs import GraphedStep, new_pool
-from .loop import SpecDecodeResult, _param
-from .proposers import PromptLookupDrafter
+from ..loop import SpecDecodeResult, _param
+from ..proposers import PromptLookupDrafter
 from .static_drafter import StaticDrafter
 from .static_target import StaticTarget
-from .stats import SpecDecodeStats
+from ..stats import SpecDecodeStats
 
 PHASES = ("draft", "verify", "append", "accept")  # the order of one step
 MAX_STOP_TOKENS = 8

@@ -1,0 +1,22 @@
+"""How vLLM 0.33 lays out the KV cache of hybrid models, and which group is the drafter's.
+
+In the order the chapter (04) uses them:
+
+    specs    each layer's KV-cache spec, with vLLM's own classes: Laguna + DFlash, MTP,
+             a Qwen3.5-style GDN/attention hybrid, a DeepSeek-V4-shaped model
+    presets  the chapter's models by name (Poolside's real Laguna pairs among them), a user's config.json
+    groups   vLLM's grouping of those specs and the draft-group rules of upstream #55390
+    engine   what vLLM 0.33's engine itself does with the groups (for comparison)
+    layout   the groups read back: rows for the figures, memory per group
+
+vLLM is imported on first use only (``specs.vllm_api``).
+"""
+
+from .groups import (
+    annotate_draft_groups,
+    groups_partition_layers_exactly,
+    kv_cache_groups,
+    uses_trailing_mtp_layers,
+)
+
+__all__ = ["annotate_draft_groups", "groups_partition_layers_exactly", "kv_cache_groups", "uses_trailing_mtp_layers"]

@@ -1,0 +1,13 @@
+"""The fast backend of DFlash decoding: the same algorithm over static buffers, the way a server runs it.
+
+    context_kv_kernel  the fused Triton epilogue of the folded context-K/V path (GPU)
+    triton_ops         one-kernel RMSNorm and q/k head norm + RoPE, for the forwards below
+    static_target      the target's forward over a preallocated KV cache, no host syncs
+    static_drafter     the drafter's context K/V in slots (slot == position), and its block step
+                       through the drafter's own attention (``drafter.SlotKV``)
+    cuda_graphs        capture a step once, replay it with one launch
+    decoder            ``FastDecoder`` / ``fast_generate`` / ``fast_generate_batch``: several
+                       prompts, ragged acceptance, the accept rule of ``spec_decode.sampling``
+
+Nothing is imported here: ``context_kv_kernel`` sits below the drafter, ``decoder`` above the loop.
+"""
