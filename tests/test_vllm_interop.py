@@ -15,6 +15,13 @@ process_weights_after_loading runs after. Then, in float32:
   write captured) matches all three of our paths;
 - vLLM's drafter forward over one block matches ours.
 
+vLLM's post-load step picks a CPU GEMM route per linear layer; the route it
+would pick from the processor alone (its AMX kernel for small bf16/fp16
+weights) needs an op that only vLLM's CPU build has, so the lab runs that step
+with the routes of the installed build (``vllm_post_load``): the same route,
+and the same numbers, on a CPU with AMX and on one without (both are tested,
+by making torch report AMX or not).
+
 What the CPU cannot run here: vLLM's compiled kernels (torch.ops._C.rms_norm
 and rotary_embedding are not in a CUDA wheel on a CPU machine), and its
 attention backend. The precompute test with vLLM's real kernels runs only where
@@ -30,6 +37,7 @@ norm) is vLLM's.
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # before vLLM picks its platform
 
@@ -48,6 +56,7 @@ from vllm.distributed.parallel_state import (  # noqa: E402
     destroy_model_parallel,
     model_parallel_is_initialized,
 )
+from vllm.model_executor.layers import utils as vllm_layer_utils  # noqa: E402
 from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding  # noqa: E402
 from vllm.model_executor.model_loader.utils import process_weights_after_loading  # noqa: E402
 from vllm.model_executor.model_loader.weight_utils import safetensors_weights_iterator  # noqa: E402
@@ -71,6 +80,47 @@ CASES = [  # (layers, layer type, gating): both layer types, both gate shapes
 def vllm_kernels_available() -> bool:
     """Whether this vLLM build has its compiled RMSNorm and RoPE ops (a CUDA wheel on a CPU box has not)."""
     return all(hasattr(torch.ops._C, op) for op in ("rms_norm", "rotary_embedding"))
+
+
+# vLLM's AMX GEMM route on the CPU (model_executor/layers/utils.py, dispatch_cpu_unquantized_gemm) packs
+# the weight with the first op and multiplies with the second; only vLLM's CPU build registers them.
+VLLM_AMX_GEMM_OPS = ("convert_weight_packed", "weight_packed_linear")
+
+
+def vllm_has_amx_gemm() -> bool:
+    """Whether this vLLM build can run the CPU GEMM route vLLM takes on a processor with AMX tiles."""
+    return all(hasattr(torch.ops._C, op) for op in VLLM_AMX_GEMM_OPS)
+
+
+@contextmanager
+def gemm_routes_of_this_build():
+    """vLLM's CPU GEMM dispatch, limited to the routes the installed vLLM build has.
+
+    dispatch_cpu_unquantized_gemm asks the processor, not the build, whether to take its AMX
+    route (check_cpu_sgl_kernel: AMX tiles, bf16/fp16, weight <= 1 MiB). The CUDA wheel the lab
+    pins has no such kernel, so on a CPU with AMX vLLM's post-load step raised AttributeError
+    (convert_weight_packed) and on one without it took the torch.nn.functional.linear fallback.
+    Where the build lacks the route, vLLM's own predicate answers False for it: every processor
+    then gets the route this build can run (oneDNN where registered, else the torch fallback).
+    A build that has the route (vLLM's CPU build) is left exactly as vLLM made it.
+    """
+    if vllm_has_amx_gemm():
+        yield
+        return
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(vllm_layer_utils, "check_cpu_sgl_kernel", lambda n, k, dtype: False)
+        yield
+
+
+def vllm_post_load(model, model_config) -> None:
+    """vLLM's process_weights_after_loading on the CPU, with the GEMM routes this vLLM build has."""
+    with gemm_routes_of_this_build():
+        process_weights_after_loading(model, model_config, torch.device("cpu"))
+
+
+def vllm_gemm_layers(model) -> dict[str, torch.nn.Module]:
+    """Every layer to which vLLM's CPU dispatch gave a GEMM route (``cpu_linear``)."""
+    return {name: m for name, m in model.named_modules() if hasattr(m, "cpu_linear")}
 
 
 # --- a one-process vLLM world, and the drafter built inside it ---------------------------
@@ -134,7 +184,7 @@ def vllm_pair(vllm_world, make_drafter, tmp_path):
             model = DFlashLagunaForCausalLM(vllm_config=vc)
             shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
             loaded = model.load_weights(safetensors_weights_iterator([str(ckpt / "model.safetensors")], False))
-            process_weights_after_loading(model, vc.model_config, torch.device("cpu"))
+            vllm_post_load(model, vc.model_config)
         return ours, model, SimpleNamespace(vllm_config=vc, loaded=set(loaded), shapes=shapes, ckpt=ckpt, hf=hf)
 
     return build
@@ -205,6 +255,59 @@ def test_vllm_loads_every_tensor_and_they_equal_ours(vllm_pair, layers, layer_ty
     for name, tensor in ours.state_dict().items():
         theirs = params[f"model.{name}"]
         assert theirs.dtype == dtype and torch.equal(theirs.data, tensor), name
+
+
+def test_vllm_picks_its_cpu_gemm_route_from_the_processor_not_the_build(vllm_world, make_drafter, tmp_path, monkeypatch):
+    """Why vllm_post_load exists: on a CPU with AMX, vLLM's own post-load step reaches for its AMX
+    kernel, which a build without it (the CUDA wheel the lab pins) cannot run."""
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    ours = make_drafter(2, dtype=torch.bfloat16)
+    save_drafter(ours, tmp_path / "ckpt")
+    hf = get_config(tmp_path / "ckpt", trust_remote_code=False)
+    cfg = ours.config
+    vc = stand_in_vllm_config(hf, target_layers=cfg.target_layer_count, target_hidden=cfg.target_hidden_size,
+                              target_vocab=cfg.draft_vocab_size, dtype=torch.bfloat16)
+    with set_current_vllm_config(vc), set_default_torch_dtype(torch.bfloat16):
+        model = DFlashLagunaForCausalLM(vllm_config=vc)
+        model.load_weights(safetensors_weights_iterator([str(tmp_path / "ckpt" / "model.safetensors")], False))
+        if vllm_has_amx_gemm():  # vLLM's CPU build: the route exists and vLLM takes it
+            process_weights_after_loading(model, vc.model_config, torch.device("cpu"))
+        else:
+            with pytest.raises(AttributeError, match="convert_weight_packed"):
+                process_weights_after_loading(model, vc.model_config, torch.device("cpu"))
+
+
+def test_vllm_post_load_is_the_same_with_and_without_amx(vllm_pair, monkeypatch):
+    """bf16 (the dtype vLLM's AMX route is for), the processor reporting AMX tiles and not: vLLM's own
+    predicate would pick the AMX route for some layers only in the first case; with the build's routes,
+    both load every tensor bit for bit, keep every weight, and compute the same bits."""
+    seen = {}
+    for amx in (True, False):
+        with monkeypatch.context() as patch:
+            patch.setattr(torch.cpu, "_is_amx_tile_supported", lambda amx=amx: amx)
+            ours, model, vllm = vllm_pair(2, "full_attention", True, dtype=torch.bfloat16)
+            gemms = vllm_gemm_layers(model)
+            aux = 4.0 * torch.randn(9, len(ours.config.target_layer_ids) * ours.config.target_hidden_size,
+                                    generator=torch.Generator().manual_seed(5)).to(torch.bfloat16)
+            # vLLM's own choice on this processor (undone above only where the build lacks the kernel)
+            wanted_amx = [n for n, m in gemms.items()
+                          if vllm_layer_utils.check_cpu_sgl_kernel(*m.weight.shape, m.weight.dtype)]
+            assert bool(wanted_amx) == amx, wanted_amx
+            params = dict(model.named_parameters())
+            for name, tensor in ours.state_dict().items():
+                assert torch.equal(params[f"model.{name}"].data, tensor), name
+            for name, m in gemms.items():
+                assert m.weight.numel() > 0, f"{name}: vLLM dropped the weight for a packed copy"
+                if f"{name}.weight" in SHARED_WITH_TARGET:  # not in the drafter's checkpoint: uninitialised here
+                    continue
+                inputs = torch.randn(3, m.weight.shape[1], generator=torch.Generator().manual_seed(7)).to(m.weight.dtype)
+                assert torch.equal(m.cpu_linear(inputs, m.weight, getattr(m, "bias", None)),
+                                   F.linear(inputs, m.weight, getattr(m, "bias", None))), name
+            with set_current_vllm_config(vllm.vllm_config), torch.no_grad():
+                seen[amx] = model.combine_hidden_states(aux)
+    assert torch.equal(seen[True], seen[False])
+    with torch.no_grad():
+        torch.testing.assert_close(seen[True], ours.combine_hidden_states(aux), atol=0.05, rtol=0.05)
 
 
 @pytest.mark.parametrize("layers,layer_type,gating", CASES)
