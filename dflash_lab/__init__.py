@@ -4,6 +4,7 @@ The package follows the data path of one DFlash step, a module per step, in this
 
     runtime      plumbing at the bottom: paths, device/dtype, seeding, tokenizer, atomic writes
     config       the drafter's config.json, resolved the way vLLM 0.33 resolves it (causality, ids, RoPE)
+    config_keys  the keys vLLM reads more than one way: RoPE per layer type, swa_rope_parameters, sinks, layer ids
     presets      real Poolside drafter/target configs (Laguna-S-2.1-DFlash, XS-2.1 shape), shrinkable
     target       the Laguna target (transformers) and its aux hidden states
     layers       RMSNorm and RoPE, the building blocks the drafter shares

@@ -12,7 +12,10 @@ A Laguna DFlash drafter checkpoint carries an HF-style ``config.json``:
 
 ``DFlashDrafterConfig.from_dict`` enforces vLLM's rules (``laguna_dflash.py``):
 ``layer_types`` present, one per layer and uniform; ``target_layer_ids``
-non-empty; ``draft_vocab_size`` present. Every error names the key (and the
+non-empty; ``draft_vocab_size`` present. The keys vLLM reads in more than one way
+(RoPE per layer type, ``swa_rope_parameters``, a top-level ``partial_rotary_factor``,
+``swa_attention_sink_enabled``, the two layer-id keys) are resolved in ``config_keys``
+exactly as vLLM 0.33 resolves them, or refused. Every error names the key (and the
 file, when the config came from one).
 """
 
@@ -23,16 +26,19 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-ARCHITECTURE = "DFlashLagunaForCausalLM"
-LAYER_TYPES = ("full_attention", "sliding_attention")
-GATING_CHOICES = (True, False, "per-head", "per-element")
+from .config_keys import (  # noqa: F401  (re-exported: the lab's readers of vLLM's keys)
+    DEFAULT_ROPE_PARAMETERS,
+    LAYER_TYPES,
+    check_attention_sinks,
+    config_key_table,
+    layer_rope,
+    resolve_rope_parameters,
+    rope_resolution_table,
+    target_layer_ids,
+)
 
-# Laguna's own defaults (transformers' LagunaConfig): full-attention layers rotate
-# half of each head with a long-context theta, sliding layers rotate all of it.
-DEFAULT_ROPE_PARAMETERS = {
-    "full_attention": {"rope_type": "default", "rope_theta": 500000.0, "partial_rotary_factor": 0.5},
-    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0},
-}
+ARCHITECTURE = "DFlashLagunaForCausalLM"
+GATING_CHOICES = (True, False, "per-head", "per-element")
 
 
 class ConfigError(ValueError):
@@ -177,7 +183,7 @@ class DFlashDrafterConfig:
         dflash = d.get("dflash_config")
         if not isinstance(dflash, dict):
             raise err("dflash_config", "is missing or not an object" if dflash is None else f"must be an object, got {dflash!r}")
-        ids = _target_layer_ids(d, dflash, err)
+        ids = target_layer_ids(d, dflash, err)
         mask_id = get_int("mask_token_id", src=dflash, name="dflash_config.mask_token_id", minimum=0)
         if mask_id >= vocab:
             raise err("dflash_config.mask_token_id", f"({mask_id}) is outside the vocabulary (draft_vocab_size {vocab})")
@@ -190,20 +196,33 @@ class DFlashDrafterConfig:
             raise err("rope_parameters", f"must be an object, got {rope!r}", TypeError)
         if "rope_theta" in d and not _positive_number(d["rope_theta"]):
             raise err("rope_theta", f"must be a positive number, got {d['rope_theta']!r}")
-        # What vLLM serves: transformers' LagunaConfig resolves the RoPE of each layer type
-        # (a flat `rope_theta` lands on full_attention only; sliding keeps its default).
-        own = resolve_rope_parameters(d)[layer_types[0]]
+        swa = d.get("swa_rope_parameters")
+        if swa is not None and not isinstance(swa, dict):
+            raise err("swa_rope_parameters", f"must be an object, got {swa!r}", TypeError)
+        top_factor = d.get("partial_rotary_factor")
+        if top_factor is not None and not (_positive_number(top_factor) and top_factor <= 1):
+            raise err("partial_rotary_factor", f"must be in (0, 1], got {top_factor!r}")
+        # What vLLM serves: LagunaConfig's rope_parameters, then the layer's own pick
+        # (its entry, swa_rope_parameters, a top-level partial_rotary_factor): config_keys.
+        own, origin, _ = layer_rope(d, layer_types[0])
         if own.get("rope_type", "default") != "default":
-            raise err(f"rope_parameters.{layer_types[0]}.rope_type", f"{own.get('rope_type')!r} is not supported (only 'default')")
+            raise err(f"{origin}.rope_type", f"{own.get('rope_type')!r} is not supported (only 'default')")
+        if "rope_dim" in own:
+            rope_dim = own["rope_dim"]
+            if isinstance(rope_dim, bool) or not isinstance(rope_dim, int) or not 0 < rope_dim <= head_dim:
+                raise err(f"{origin}.rope_dim", f"must be an integer in 1..head_dim ({head_dim}), got {rope_dim!r}")
+            own = {**own, "partial_rotary_factor": rope_dim / head_dim}
         factor = own.get("partial_rotary_factor", 1.0)
         theta = own.get("rope_theta", 10000.0)
+        factor_key = "partial_rotary_factor" if factor is top_factor else f"{origin}.partial_rotary_factor"
         if not isinstance(factor, (int, float)) or isinstance(factor, bool) or not 0 < factor <= 1:
-            raise err(f"rope_parameters.{layer_types[0]}.partial_rotary_factor", f"must be in (0, 1], got {factor!r}")
+            raise err(factor_key, f"must be in (0, 1], got {factor!r}")
         if int(head_dim * factor) % 2:
-            raise err(f"rope_parameters.{layer_types[0]}.partial_rotary_factor", f"gives an odd rotary dim {int(head_dim * factor)} for head_dim {head_dim}")
+            raise err(factor_key, f"gives an odd rotary dim {int(head_dim * factor)} for head_dim {head_dim}")
         if not _positive_number(theta):
-            raise err(f"rope_parameters.{layer_types[0]}.rope_theta", f"must be a positive number, got {theta!r}")
+            raise err(f"{origin}.rope_theta", f"must be a positive number, got {theta!r}")
         rope = {layer_types[0]: {"rope_type": "default", "rope_theta": float(theta), "partial_rotary_factor": float(factor)}}
+        check_attention_sinks(d, layer_types[0], err)
 
         # transformers' LagunaConfig (and so vLLM) takes an int or no key at all: `null` is refused.
         if "sliding_window" in d and d["sliding_window"] is None:
@@ -314,44 +333,12 @@ class DFlashDrafterConfig:
 
 
 # ---------------------------------------------------------------------------
-# How vLLM resolves the pieces a drafter config can spell in more than one way
+# Small readers (the keys vLLM reads in more than one way are in config_keys)
 # ---------------------------------------------------------------------------
 
 
 def _positive_number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0
-
-
-def _target_layer_ids(d: dict, dflash: dict, err) -> list[int]:
-    """vLLM's `get_eagle3_aux_layers_from_config`: `eagle_aux_hidden_state_layer_ids` wins, else
-    `dflash_config.target_layer_ids` + 1; the target collects them in ascending layer order.
-
-    Returned as target layer ids (the +1 undone), ascending. When both keys are present they
-    must name the same layers: the lab writes both, and refuses a file where they disagree.
-    """
-    key = "dflash_config.target_layer_ids"
-    ids = dflash.get("target_layer_ids")
-    if ids is not None:
-        if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-            raise err(key, f"must be a list of integers, got {ids!r}", TypeError)
-        if any(i < 0 for i in ids) or len(set(ids)) != len(ids):
-            raise err(key, f"must be distinct non-negative layer indices, got {ids}")
-    aux = d.get("eagle_aux_hidden_state_layer_ids")
-    if aux is not None:
-        name = "eagle_aux_hidden_state_layer_ids"
-        if not isinstance(aux, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in aux):
-            raise err(name, f"must be a list of integers, got {aux!r}", TypeError)
-        if any(i < 1 for i in aux) or len(set(aux)) != len(aux):
-            raise err(name, f"must be distinct layer ids >= 1 (id L = the hidden state entering layer L), got {aux}")
-        if ids is not None and sorted(aux) != sorted(i + 1 for i in ids):
-            raise err(name, f"{aux} disagrees with `{key}` {ids}: vLLM reads {name} (it wins) and the lab "
-                      f"expects it to equal {key} + 1, i.e. {[i + 1 for i in ids]}")
-        ids = [i - 1 for i in aux] if ids is None else ids
-    if ids is None:
-        raise err(key, "is missing")
-    if not ids:
-        raise err(key, "is empty: the drafter needs at least one target layer", ValueError)
-    return sorted(ids)
 
 
 def _explicit_causal(d: dict, dflash: dict, err) -> bool | None:
@@ -366,34 +353,3 @@ def _explicit_causal(d: dict, dflash: dict, err) -> bool | None:
         raise err("is_causal", f"({found['is_causal']}) disagrees with `dflash_config.causal` "
                   f"({found['dflash_config.causal']}); vLLM would take `is_causal`: set one, or both alike")
     return next(iter(found.values()), None)
-
-
-def resolve_rope_parameters(d: dict) -> dict[str, dict]:
-    """RoPE per layer type exactly as transformers' LagunaConfig (what vLLM loads) reads ``d``.
-
-    A flat ``rope_theta`` with no ``rope_parameters`` goes to full_attention only: a sliding
-    drafter then runs with the sliding default (theta 10000), whatever the file's value.
-    """
-    from transformers import LagunaConfig  # heavy import, only where a config is read
-
-    keys = ("rope_parameters", "rope_theta", "partial_rotary_factor", "layer_types", "num_hidden_layers",
-            "head_dim", "hidden_size", "num_attention_heads")
-    resolved = LagunaConfig(**{k: d[k] for k in keys if k in d}).rope_parameters
-    if not any(isinstance(v, dict) for v in resolved.values()):
-        resolved = {t: dict(resolved) for t in LAYER_TYPES}
-    return {t: dict(resolved.get(t) or DEFAULT_ROPE_PARAMETERS[t]) for t in LAYER_TYPES}
-
-
-def rope_resolution_table(d: dict) -> list[dict]:
-    """Per layer type: the theta the file spells, the theta vLLM runs, and whether they differ."""
-    resolved = resolve_rope_parameters(d)
-    nested = d.get("rope_parameters") if isinstance(d.get("rope_parameters"), dict) else {}
-    rows = []
-    for t in LAYER_TYPES:
-        in_file = (nested.get(t) or {}).get("rope_theta") if isinstance(nested.get(t), dict) else nested.get("rope_theta")
-        in_file = in_file if in_file is not None else d.get("rope_theta")
-        served = float(resolved[t]["rope_theta"])
-        rows.append({"layer_type": t, "rope_theta_in_file": in_file, "rope_theta_served": served,
-                     "partial_rotary_factor": resolved[t].get("partial_rotary_factor", 1.0),
-                     "differs": in_file is not None and float(in_file) != served})
-    return rows

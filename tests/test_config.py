@@ -206,14 +206,43 @@ def test_disagreeing_causal_keys_are_rejected_naming_both(drafter_config_dict):
         DFlashDrafterConfig.from_dict(d)
 
 
-def test_eagle_aux_layer_ids_win_and_mean_target_ids_plus_one(drafter_config_dict):
+def test_aux_layer_ids_alone_are_refused_as_vllms_drafter_refuses_them(drafter_config_dict):
+    # vLLM's get_config reads such a file, but DFlashLagunaModel indexes
+    # dflash_config["target_layer_ids"] (laguna_dflash.py:78) and fails: the lab says so up front.
     d = drafter_config_dict(eagle_aux_hidden_state_layer_ids=[2, 4])
     del d["dflash_config"]["target_layer_ids"]
-    cfg = DFlashDrafterConfig.from_dict(d)
+    with pytest.raises(ConfigError, match=r"`dflash_config.target_layer_ids` is missing: vLLM's DFlashLagunaModel"):
+        DFlashDrafterConfig.from_dict(d)
+
+
+def test_eagle_aux_layer_ids_mean_target_ids_plus_one_and_both_are_written(drafter_config_dict):
+    cfg = DFlashDrafterConfig.from_dict(drafter_config_dict(eagle_aux_hidden_state_layer_ids=[4, 2]))
     assert cfg.target_layer_ids == [1, 3] and cfg.aux_hidden_state_layer_ids == [2, 4]
     written = cfg.to_dict()  # both keys, consistent
     assert written["eagle_aux_hidden_state_layer_ids"] == [2, 4]
     assert written["dflash_config"]["target_layer_ids"] == [1, 3]
+
+
+def test_an_empty_aux_list_counts_as_absent(drafter_config_dict):
+    # eagle3_utils.py:120: `if not layer_ids` falls back to dflash_config.target_layer_ids + 1.
+    cfg = DFlashDrafterConfig.from_dict(drafter_config_dict(eagle_aux_hidden_state_layer_ids=[]))
+    assert cfg.target_layer_ids == [1, 3] and cfg.aux_hidden_state_layer_ids == [2, 4]
+
+
+def test_aux_id_zero_is_refused_saying_that_vllm_takes_it(drafter_config_dict):
+    d = drafter_config_dict(eagle_aux_hidden_state_layer_ids=[0, 2])
+    d["dflash_config"]["target_layer_ids"] = [0, 1]
+    with pytest.raises(ConfigError, match=r"`eagle_aux_hidden_state_layer_ids` \[0, 2\] holds id 0, the embedding "
+                                          r"output: vLLM 0.33 captures it"):
+        DFlashDrafterConfig.from_dict(d)
+
+
+@pytest.mark.parametrize("ids,message", [([], "is empty"), (None, "is missing"), ("1,3", "must be a list of integers")])
+def test_target_layer_ids_must_be_a_non_empty_list(drafter_config_dict, ids, message):
+    d = drafter_config_dict()
+    d["dflash_config"]["target_layer_ids"] = ids
+    with pytest.raises((ValueError, TypeError), match=f"`dflash_config.target_layer_ids` {message}"):
+        DFlashDrafterConfig.from_dict(d)
 
 
 def test_disagreeing_layer_id_keys_are_rejected_naming_both(drafter_config_dict):
@@ -254,11 +283,85 @@ def test_flat_rope_theta_is_read_as_transformers_reads_it():
 
     d, _ = drafter_preset("laguna-s-2.1-dflash")
     cfg = DFlashDrafterConfig.from_dict(d)
-    # The file says 500000, but LagunaConfig gives a flat rope_theta to full_attention only.
+    # The file says 500000; LagunaConfig leaves a flat rope_theta out of rope_parameters, whose
+    # defaults then stand: sliding layers run theta 10000.
     assert cfg.rope["rope_theta"] == 10000.0
     sliding = next(r for r in rope_resolution_table(d) if r["layer_type"] == "sliding_attention")
     assert sliding == {"layer_type": "sliding_attention", "rope_theta_in_file": 500000.0, "rope_theta_served": 10000.0,
-                       "partial_rotary_factor": 1.0, "differs": True}
+                       "partial_rotary_in_file": None, "partial_rotary_factor": 1.0,
+                       "rope_from": "rope_parameters.sliding_attention",
+                       "partial_rotary_from": "rope_parameters.sliding_attention", "differs": True}
+
+
+def test_a_flat_rope_theta_reaches_no_layer_type(drafter_config_dict):
+    d = drafter_config_dict(rope_theta=250000.0)  # no rope_parameters: the Laguna defaults stand
+    assert DFlashDrafterConfig.from_dict(d).rope == {"rope_type": "default", "rope_theta": 500000.0,
+                                                     "partial_rotary_factor": 0.5}
+
+
+def sliding_dict(drafter_config_dict, **extra):
+    return drafter_config_dict(layer_types=["sliding_attention"] * 2, **extra)
+
+
+def test_swa_rope_parameters_set_the_sliding_layers_rope(drafter_config_dict):
+    cfg = DFlashDrafterConfig.from_dict(sliding_dict(drafter_config_dict, swa_rope_parameters={"rope_theta": 250000.0}))
+    assert cfg.rope == {"rope_type": "default", "rope_theta": 250000.0, "partial_rotary_factor": 1.0}
+    full = DFlashDrafterConfig.from_dict(drafter_config_dict(swa_rope_parameters={"rope_theta": 250000.0}))
+    assert full.rope["rope_theta"] == 500000.0  # full_attention layers never read it
+    again = DFlashDrafterConfig.from_dict(cfg.to_dict())  # written as that layer type's rope_parameters entry
+    assert again == cfg and "swa_rope_parameters" not in cfg.to_dict()
+
+
+def test_a_sliding_layer_without_its_own_entry_takes_the_full_attention_entry(drafter_config_dict):
+    d = sliding_dict(drafter_config_dict, rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 123456.0}})
+    assert DFlashDrafterConfig.from_dict(d).rope["rope_theta"] == 123456.0  # laguna.py:370-371
+
+
+def test_top_level_partial_rotary_factor_fills_an_entry_without_one(drafter_config_dict):
+    entry = {"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}
+    cfg = DFlashDrafterConfig.from_dict(drafter_config_dict(rope_parameters=entry, partial_rotary_factor=0.5))
+    assert cfg.rope["partial_rotary_factor"] == 0.5 and cfg.rotary_dim == 8
+    entry["full_attention"]["partial_rotary_factor"] = 1.0  # the entry's own value wins
+    cfg = DFlashDrafterConfig.from_dict(drafter_config_dict(rope_parameters=entry, partial_rotary_factor=0.5))
+    assert cfg.rotary_dim == 16
+
+
+def test_rope_dim_overrides_the_factor(drafter_config_dict):
+    entry = {"full_attention": {"rope_type": "default", "rope_theta": 10000.0, "rope_dim": 4, "partial_rotary_factor": 1.0}}
+    assert DFlashDrafterConfig.from_dict(drafter_config_dict(rope_parameters=entry)).rotary_dim == 4
+
+
+@pytest.mark.parametrize("key,value,exc,message", [
+    ("swa_rope_parameters", 250000.0, TypeError, "`swa_rope_parameters` must be an object"),
+    ("partial_rotary_factor", 1.5, ConfigError, "`partial_rotary_factor` must be in \\(0, 1\\]"),
+    ("partial_rotary_factor", "half", ConfigError, "`partial_rotary_factor` must be in"),
+    ("swa_attention_sink_enabled", "yes", TypeError, "`swa_attention_sink_enabled` must be true or false"),
+])
+def test_bad_rope_and_sink_keys_are_refused_by_name(drafter_config_dict, key, value, exc, message):
+    with pytest.raises(exc, match=message):
+        DFlashDrafterConfig.from_dict(sliding_dict(drafter_config_dict, **{key: value}))
+
+
+def test_attention_sinks_on_sliding_layers_are_refused_naming_the_key(drafter_config_dict):
+    with pytest.raises(NotImplementedError, match=r"`swa_attention_sink_enabled` is true: vLLM 0.33 then adds a "
+                                                  r"learned attention sink per head to every sliding layer"):
+        DFlashDrafterConfig.from_dict(sliding_dict(drafter_config_dict, swa_attention_sink_enabled=True))
+    # vLLM gives sinks to sliding layers only (laguna.py:485-488): a full-attention drafter is unaffected.
+    DFlashDrafterConfig.from_dict(drafter_config_dict(swa_attention_sink_enabled=True))
+    DFlashDrafterConfig.from_dict(sliding_dict(drafter_config_dict, swa_attention_sink_enabled=False))
+
+
+def test_the_key_table_names_every_key_and_what_each_side_does(drafter_config_dict):
+    from dflash_lab.config import config_key_table
+
+    d = sliding_dict(drafter_config_dict, swa_rope_parameters={"rope_theta": 250000.0}, partial_rotary_factor=0.5)
+    rows = {r["key"]: r for r in config_key_table(d)}
+    assert list(rows) == ["swa_rope_parameters", "partial_rotary_factor", "swa_attention_sink_enabled",
+                          "eagle_aux_hidden_state_layer_ids", "dflash_config.target_layer_ids"]
+    assert rows["swa_rope_parameters"]["lab"] == "the same: sliding_attention runs theta 250000 from swa_rope_parameters"
+    assert rows["partial_rotary_factor"]["lab"] == "the same: 0.5 from partial_rotary_factor (top level)"
+    assert rows["swa_attention_sink_enabled"]["in_file"] == "absent"
+    assert rows["dflash_config.target_layer_ids"]["in_file"] == [1, 3]
 
 
 @pytest.mark.parametrize("name", ["laguna-s-2.1-dflash", "laguna-xs-2.1-dflash (shape)"])

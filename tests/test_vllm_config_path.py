@@ -26,7 +26,7 @@ from vllm.transformers_utils.config import get_config  # noqa: E402
 from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import get_eagle3_aux_layers_from_config  # noqa: E402
 
 from dflash_lab.checkpoint import save_drafter  # noqa: E402
-from dflash_lab.config import DFlashDrafterConfig  # noqa: E402
+from dflash_lab.config import DFlashDrafterConfig, rope_resolution_table  # noqa: E402
 from dflash_lab.drafter import DFlashLagunaDrafter  # noqa: E402
 from dflash_lab.presets import DRAFTER_PRESETS, drafter_preset  # noqa: E402
 from dflash_lab.runtime import DEFAULT_DRAFTER, DEFAULT_TARGET  # noqa: E402
@@ -112,3 +112,142 @@ def test_vllm_refuses_a_null_window_as_the_lab_does(tmp_path):
         get_config(str(tmp_path), trust_remote_code=False)
     with pytest.raises(TypeError, match="`sliding_window` is null"):
         DFlashDrafterConfig.from_pretrained(tmp_path)
+
+
+# ---------------------------------------------------------------------------
+# The keys vLLM reads in more than one way (FIDELITY §10.4, §10.5): vLLM's own drafter,
+# built from vLLM's own reading of the same dict, against the lab's resolution.
+# ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def one_process_world(tmp_path_factory):
+    """A world of one gloo process (file:// rendezvous), so vLLM's layers can be built on the CPU."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.distributed.parallel_state import (destroy_distributed_environment, destroy_model_parallel,
+                                                 model_parallel_is_initialized)
+
+    ours = not model_parallel_is_initialized()
+    if ours:
+        with set_current_vllm_config(VllmConfig()):
+            rendezvous = tmp_path_factory.mktemp("gloo") / "rendezvous"
+            init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                         distributed_init_method=f"file://{rendezvous}")
+            initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+    yield
+    if ours:
+        destroy_model_parallel()
+        destroy_distributed_environment()
+
+
+def vllm_reads(tmp_path, d: dict):
+    """vLLM's hf_config for ``d`` (get_config on a directory holding it)."""
+    folder = tmp_path / f"cfg{len(list(tmp_path.iterdir()))}"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(d))
+    return get_config(str(folder), trust_remote_code=False)
+
+
+def vllm_builds(hf):
+    """vLLM 0.33's own DFlashLagunaForCausalLM for ``hf``, with only the target's model config and the
+    speculative config standing in (what its constructor reads)."""
+    import torch
+    from vllm.config import CompilationMode, VllmConfig, set_current_vllm_config
+    from vllm.model_executor.models.laguna_dflash import DFlashLagunaForCausalLM
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    vc = VllmConfig()
+    vc.compilation_config.mode = CompilationMode.NONE
+    vc.model_config = SimpleNamespace(
+        dtype=torch.float32, head_dtype=torch.float32, quantization=None, is_moe=False, is_mm_prefix_lm=False,
+        rswa_window=None, word_embeddings_untied_by_checkpoint=False, get_hidden_size=lambda: hf.hidden_size,
+        get_total_num_hidden_layers=lambda: 6, get_vocab_size=lambda: hf.vocab_size)
+    vc.speculative_config = SimpleNamespace(method="dflash", num_speculative_tokens=3, enable_adaptive_verification=False,
+                                            draft_model_config=SimpleNamespace(hf_config=hf, quantization=None))
+    with set_current_vllm_config(vc), set_default_torch_dtype(torch.float32):
+        return DFlashLagunaForCausalLM(vllm_config=vc)
+
+
+def shipped_dict(**changes) -> dict:
+    d = json.loads((DEFAULT_DRAFTER / "config.json").read_text())
+    if changes.pop("sliding", False):
+        d.update(layer_types=["sliding_attention"] * d["num_hidden_layers"], sliding_window=8)
+    for key, value in changes.items():
+        if value is None:
+            d.pop(key, None)
+        else:
+            d[key] = value
+    return d
+
+
+FULL_ENTRY_NO_FACTOR = {"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}
+ROPE_CASES = {
+    "shipped": {},
+    "swa_rope_parameters on sliding layers": dict(sliding=True, swa_rope_parameters={"rope_theta": 250000.0}),
+    "swa_rope_parameters on full layers (ignored)": dict(swa_rope_parameters={"rope_theta": 250000.0}),
+    "swa_rope_parameters with its own factor": dict(sliding=True, swa_rope_parameters={
+        "rope_type": "default", "rope_theta": 40000.0, "partial_rotary_factor": 0.5}),
+    "top-level partial_rotary_factor, entry without one": dict(rope_parameters=FULL_ENTRY_NO_FACTOR, partial_rotary_factor=0.5),
+    "top-level partial_rotary_factor, entry with one": dict(partial_rotary_factor=0.5),
+    "top-level factor into swa_rope_parameters": dict(sliding=True, swa_rope_parameters={"rope_theta": 250000.0},
+                                                      partial_rotary_factor=0.25),
+    "sliding layers, only a full_attention entry": dict(sliding=True, rope_parameters={
+        "full_attention": {"rope_type": "default", "rope_theta": 123456.0, "partial_rotary_factor": 0.5}}),
+    "flat rope_parameters on sliding layers": dict(sliding=True, rope_parameters={"rope_type": "default", "rope_theta": 30000.0}),
+    "flat rope_theta, no rope_parameters": dict(rope_parameters=None, rope_theta=250000.0),
+    "flat rope_theta, sliding": dict(sliding=True, rope_parameters=None, rope_theta=250000.0),
+    "rope_dim in the entry": dict(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 10000.0,
+                                                                      "rope_dim": 16}}),
+}
+
+
+@pytest.mark.parametrize("case", list(ROPE_CASES))
+def test_each_layers_rope_is_what_vllms_own_drafter_builds(one_process_world, tmp_path, case):
+    d = shipped_dict(**ROPE_CASES[case])
+    model = vllm_builds(vllm_reads(tmp_path, d))
+    cfg = DFlashDrafterConfig.from_dict(d)
+    for layer in model.model.layers:
+        rotary = layer.self_attn.rotary_emb  # built by vLLM's get_rope from the entry LagunaAttention picked
+        assert float(rotary.base) == cfg.rope["rope_theta"], case
+        assert rotary.rotary_dim == cfg.rotary_dim, case
+    theta_row = next(r for r in rope_resolution_table(d) if r["layer_type"] == cfg.layer_type)
+    assert theta_row["rope_theta_served"] == cfg.rope["rope_theta"]
+    # What the lab writes, vLLM reads back to the same RoPE.
+    again = vllm_builds(vllm_reads(tmp_path, cfg.to_dict())).model.layers[0].self_attn.rotary_emb
+    assert (float(again.base), again.rotary_dim) == (cfg.rope["rope_theta"], cfg.rotary_dim)
+
+
+def test_vllm_gives_sliding_layers_attention_sinks_and_the_lab_refuses_them(one_process_world, tmp_path):
+    sliding = shipped_dict(sliding=True, swa_attention_sink_enabled=True)
+    attn = vllm_builds(vllm_reads(tmp_path, sliding)).model.layers[0].self_attn
+    assert attn.sink.shape == (attn.total_num_heads,)  # one learned sink per head, loaded from the checkpoint
+    with pytest.raises(NotImplementedError, match="`swa_attention_sink_enabled` is true"):
+        DFlashDrafterConfig.from_dict(sliding)
+    full = shipped_dict(swa_attention_sink_enabled=True)
+    assert not hasattr(vllm_builds(vllm_reads(tmp_path, full)).model.layers[0].self_attn, "sink")
+    DFlashDrafterConfig.from_dict(full)  # nothing to refuse: vLLM adds no sink to full-attention layers
+
+
+def test_aux_ids_without_target_layer_ids_fail_in_vllms_drafter_as_in_the_lab(one_process_world, tmp_path):
+    d = shipped_dict(eagle_aux_hidden_state_layer_ids=[2, 4])
+    del d["dflash_config"]["target_layer_ids"]
+    hf = vllm_reads(tmp_path, d)  # get_config reads it ...
+    spec = SimpleNamespace(draft_model_config=SimpleNamespace(hf_config=hf))
+    assert get_eagle3_aux_layers_from_config(spec) == (2, 4)
+    with pytest.raises(KeyError, match="target_layer_ids"):  # ... and DFlashLagunaModel fails (laguna_dflash.py:78)
+        vllm_builds(hf)
+    with pytest.raises(ValueError, match="`dflash_config.target_layer_ids` is missing"):
+        DFlashDrafterConfig.from_dict(d)
+
+
+def test_an_empty_aux_list_and_aux_id_zero_as_vllm_reads_them(tmp_path):
+    d = shipped_dict(eagle_aux_hidden_state_layer_ids=[])
+    spec = SimpleNamespace(draft_model_config=SimpleNamespace(hf_config=vllm_reads(tmp_path, d)))
+    cfg = DFlashDrafterConfig.from_dict(d)
+    assert list(get_eagle3_aux_layers_from_config(spec)) == cfg.aux_hidden_state_layer_ids  # empty = absent
+    zero = shipped_dict(eagle_aux_hidden_state_layer_ids=[0, 2])
+    spec = SimpleNamespace(draft_model_config=SimpleNamespace(hf_config=vllm_reads(tmp_path, zero)))
+    assert get_eagle3_aux_layers_from_config(spec) == (0, 2)  # vLLM takes id 0 (the embedding output) ...
+    with pytest.raises(ValueError, match="holds id 0, the embedding output"):  # ... the lab refuses it, saying so
+        DFlashDrafterConfig.from_dict(zero)

@@ -103,7 +103,8 @@ def test_aux_layer_ids_and_target_layer_ids_name_the_same_layers():
     test_dflash_compile_hash_uses_checkpoint_layer_id_semantics: target_layer_ids [0, 2]
     and eagle_aux_hidden_state_layer_ids [1, 3] are one drafter; [0, 3] is another."""
     by_ids = drafter_config(dflash_config={"target_layer_ids": [0, 2]})
-    by_aux = drafter_config(dflash_config={"target_layer_ids": None}, eagle_aux_hidden_state_layer_ids=[1, 3])
+    # (vLLM's DFlashLagunaModel needs target_layer_ids beside the aux ids, laguna_dflash.py:78.)
+    by_aux = drafter_config(dflash_config={"target_layer_ids": [2, 0]}, eagle_aux_hidden_state_layer_ids=[3, 1])
     other = drafter_config(dflash_config={"target_layer_ids": [0, 3]})
     assert by_ids.target_layer_ids == by_aux.target_layer_ids == [0, 2]
     assert by_ids.aux_hidden_state_layer_ids == by_aux.aux_hidden_state_layer_ids == [1, 3]
