@@ -143,8 +143,9 @@ def test_qwen3_5_with_unaligned_pages_is_packed_on_the_block_outermost_layout():
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+@pytest.mark.parametrize("method", ["eagle", "eagle3", "dspark"])
 def test_qwen3_5_with_a_non_mtp_drafter_flags_nothing_and_warns(method, layout, caplog):
+    # The seed's test_non_mtp_eagle_hybrid_still_warns, in the seed's rules (the default).
     specs = kv_specs.qwen3_5_hybrid_specs(with_mtp_layer=True)
     with caplog.at_level(logging.WARNING, logger="dflash_lab.kv_cache.groups"):
         groups = kv.kv_cache_groups(specs, method=method, model_type="qwen3_5", layout=layout)
@@ -153,14 +154,17 @@ def test_qwen3_5_with_a_non_mtp_drafter_flags_nothing_and_warns(method, layout, 
 
 
 @pytest.mark.parametrize("method", ["dspark", "dflash"])
-def test_no_warning_where_nothing_drops(method, caplog):
-    # FIDELITY §9.3: the flag-all fallback runs only with the block drop; dspark and dflash
-    # have none in 0.33, so an unflagged hybrid costs nothing there and is not warned about.
+def test_no_warning_behind_033s_gate_where_nothing_drops(method, caplog):
+    # FIDELITY §10.3: 0.33 warns only inside its block-drop branch (kv_cache_planning.py:1650-1656);
+    # dspark and dflash have no drop there, so the same unflagged hybrid is not warned about.
     specs = kv_specs.qwen3_5_hybrid_specs(with_mtp_layer=True)
     with caplog.at_level(logging.WARNING, logger="dflash_lab.kv_cache.groups"):
-        groups = kv.kv_cache_groups(specs, method=method, model_type="qwen3_5")
+        groups = kv.kv_cache_groups(specs, method=method, model_type="qwen3_5", rules="vllm-0.33")
     assert flagged(groups) == []
     assert not warned(caplog)
+    with caplog.at_level(logging.WARNING, logger="dflash_lab.kv_cache.groups"):
+        kv.kv_cache_groups(specs, method=method, model_type="qwen3_5", rules="seed")
+    assert warned(caplog)  # ... while the seed's rules warn
 
 
 @pytest.mark.parametrize("method", [None, "ngram", "draft_model"])
@@ -171,11 +175,13 @@ def test_no_warning_without_an_eagle_family_drafter(method, caplog):
     assert not warned(caplog)
 
 
-def test_no_warning_when_no_group_holds_mamba(caplog):
-    # Laguna has no Mamba layers: an unflagged eagle drafter is not worth a warning.
+@pytest.mark.parametrize("rules", ["seed", "vllm-0.33"])
+@pytest.mark.parametrize("method", ["eagle3", "dspark"])
+def test_no_warning_when_no_group_holds_mamba(caplog, method, rules):
+    # A sliding + full hybrid never warns, under either rule set (kv_cache_planning.py:1057-1065).
     specs = kv_specs.laguna_target_specs(kv_specs.EXAMPLE_LAGUNA_CONFIG)
     with caplog.at_level(logging.WARNING):
-        groups = kv.kv_cache_groups(specs, method="eagle3", model_type="laguna")
+        groups = kv.kv_cache_groups(specs, method=method, model_type="laguna", rules=rules)
     assert flagged(groups) == []
     assert not warned(caplog)
 
@@ -185,6 +191,99 @@ def test_captured_warnings_collects_the_message_instead_of_logging_it(caplog):
         kv.kv_cache_groups(kv_specs.qwen3_5_hybrid_specs(), method="eagle", model_type="qwen3_5")
     assert len(messages) == 1 and kv.DRAFT_GROUP_WARNING in messages[0]
     assert not warned(caplog)
+
+
+# ---------------------------------------------------------------------------
+# The seed's own test file (seeds/004, tests/v1/core/test_kv_cache_utils.py), case by case:
+# each passes under rules="seed"; what rules="vllm-0.33" does with the same case beside it.
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("method", "model_type"), [("mtp", "deepseek_v4"), ("dspark", "deepseek_v4"),
+                                                    ("dspark", "deepseek_v41")])
+def test_seed_deepseek_v4_draft_group_annotated_on_packed_path(method, model_type):
+    specs = kv_specs.deepseek_v4_specs()
+    (draft,) = flagged(kv.kv_cache_groups(specs, method=method, model_type=model_type, layout="BLHNC", rules="seed"))
+    assert DSV4_DRAFT_LAYER in draft.layer_names
+    behind_the_gate = flagged(kv.kv_cache_groups(specs, method=method, model_type=model_type, layout="BLHNC",
+                                                 rules="vllm-0.33"))
+    assert len(behind_the_gate) == (1 if method == "mtp" else 0)  # dspark has no block drop in 0.33
+
+
+@pytest.mark.parametrize("rules", ["seed", "vllm-0.33"])
+def test_seed_trailing_layer_fallback_applies_to_any_mtp_model(rules):
+    (draft,) = flagged(kv.kv_cache_groups(kv_specs.deepseek_v4_specs(), method="mtp", model_type="other", rules=rules))
+    assert DSV4_DRAFT_LAYER in draft.layer_names
+
+
+@pytest.mark.parametrize("rules", ["seed", "vllm-0.33"])
+def test_seed_qwen3_5_mtp_draft_group_annotated_on_hybrid_path(rules, caplog):
+    with caplog.at_level(logging.WARNING, logger="dflash_lab.kv_cache.groups"):
+        groups = kv.kv_cache_groups(kv_specs.qwen3_5_hybrid_specs(with_mtp_layer=True), method="mtp",
+                                    model_type="qwen3_5", rules=rules)
+    (draft,) = flagged(groups)
+    assert MTP_LAYER in draft.layer_names
+    assert not any(g.is_eagle_group for g in groups if holds_mamba(g))
+    assert not warned(caplog)
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3", "dspark"])
+def test_seed_non_mtp_eagle_hybrid_still_warns(method, caplog):
+    specs = kv_specs.qwen3_5_hybrid_specs(with_mtp_layer=True)
+    with caplog.at_level(logging.WARNING, logger="dflash_lab.kv_cache.groups"):
+        groups = kv.kv_cache_groups(specs, method=method, model_type="qwen3_5", rules="seed")
+    assert flagged(groups) == [] and warned(caplog)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="dflash_lab.kv_cache.groups"):
+        kv.kv_cache_groups(specs, method=method, model_type="qwen3_5", rules="vllm-0.33")
+    assert warned(caplog) is (method != "dspark")  # 0.33 warns only where the drop runs
+
+
+@pytest.mark.parametrize("rules", ["seed", "vllm-0.33"])
+def test_seed_trailing_layer_fallback_requires_exact_partition(rules):
+    specs = kv_specs.qwen3_5_hybrid_specs(with_mtp_layer=True)
+    trimmed = _regroup(kv.vllm_kv_cache_groups(specs), lambda names: [n for n in names if n != "model.layers.0.linear_attn"])
+    kv.annotate_draft_groups("mtp", "qwen3_5", specs, trimmed, use_trailing_layer_fallback=True, rules=rules)
+    assert flagged(trimmed) == []
+
+
+def test_rules_must_be_named():
+    with pytest.raises(ValueError, match=r"rules 'lab' is not one of \['seed', 'vllm-0.33'\]"):
+        kv.kv_cache_groups(kv_specs.laguna_dflash_specs(), method="dflash", rules="lab")
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("method", [*kv.EAGLE_METHODS, None, "ngram"])
+@pytest.mark.parametrize("build", [lambda: kv_specs.qwen3_5_hybrid_specs(mark_draft=True),
+                                   lambda: kv_specs.deepseek_v4_specs(mark_draft=True),
+                                   lambda: kv_presets.preset_specs("laguna_xs2_dflash")],
+                         ids=["qwen3_5-marked", "deepseek_v4-marked", "xs2-dflash"])
+def test_033_gate_flags_and_warns_as_vllms_own_engine(build, method, layout):
+    """Where #55390's trailing-layer rule has nothing to add (the runtime's marked specs),
+    rules="vllm-0.33" is vLLM 0.33's get_global_kv_cache_groups, flag for flag, warning for warning."""
+    specs = build()
+    with kv.captured_warnings() as ours:
+        lab = kv.kv_cache_groups(specs, method=method, model_type="glm4_moe", layout=layout, rules="vllm-0.33")
+    engine, theirs = kv_engine.engine_kv_cache_groups(specs, method=method, layout=layout)
+    assert [g.is_eagle_group for g in lab] == [g.is_eagle_group for g in engine]
+    assert bool(ours) == bool(theirs)
+
+
+def test_the_table_of_differences_is_dflash_and_dspark_only():
+    from dflash_lab.kv_cache import compare
+
+    rows = compare.rule_table()
+    differ = {(r.model, r.method): r for r in rows if r.differs}
+    assert {method for _, method in differ} == {"dflash", "dspark"}
+    assert len(differ) == len(compare.MODELS) * 2  # every model, both methods
+    unmarked = differ[("Qwen3.5 hybrid, unmarked", "dspark")]
+    assert (unmarked.seed_flags, unmarked.seed_warns, unmarked.vllm_flags, unmarked.vllm_warns) == ([], True, [], False)
+    assert "kv_cache_planning.py:1656" in unmarked.why
+    xs2 = differ[("Laguna-XS.2 + DFlash", "dflash")]
+    assert xs2.seed_flags == ["g0"] and xs2.vllm_flags == [] and not xs2.seed_warns
+    assert "config/speculative.py:2122-2149" in xs2.why
+    text = compare.format_differences(rows)
+    assert text.count("\n") == len(differ) + 1 + len({r.why for r in differ.values()})
 
 
 # ---------------------------------------------------------------------------
@@ -477,7 +576,7 @@ def test_explorer_redraws_for_every_control():
         assert c.method.value == kv_presets.PRESETS[name]["method"]
         for value in ("BLHNC", "LBHNC"):
             c.layout.value = value
-        for flagger in ("engine", "seed", "lab"):
+        for flagger in kv_groups_explorer_flaggers():
             c.flagger.value = flagger
             assert kv_groups_explorer_title_names(flagger) in layout_fig.layout.title.text
     c.preset.value = "laguna_dflash"
@@ -485,6 +584,13 @@ def test_explorer_redraws_for_every_control():
     c.hybrid_off.value = True
     assert _rows(layout_fig) == 1 and "hybrid manager disabled" in layout_fig.layout.title.text
     assert len(memory_fig.data) == 2  # used and left empty; the numbers are the HTML table above it
+
+
+def kv_groups_explorer_flaggers():
+    from dflash_lab.widgets.kv_groups import FLAGGERS
+
+    assert set(FLAGGERS) == {"seed", "vllm-0.33", "engine"}
+    return list(FLAGGERS)
 
 
 def kv_groups_explorer_title_names(flagger):
@@ -690,20 +796,20 @@ def test_needs_eagle_block_drop_is_vllms_predicate():
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_the_seed_on_033_flags_no_dflash_or_dspark_group(layout):
-    """§9.2: #55390's annotator returns unless use_eagle_block_drop(); flagging a DFlash group
-    is the lab's extension (flag_without_block_drop, on by default)."""
+def test_033s_gate_flags_no_dflash_or_dspark_group(layout):
+    """§9.2: 0.33 annotates only under use_eagle_block_drop(); behind that gate #55390's rules
+    flag no DFlash or dspark group, while the seed's rules (the default) do."""
     xs2 = kv_presets.preset_specs("laguna_xs2_dflash")
     assert flagged(kv.kv_cache_groups(xs2, method="dflash", model_type="laguna", layout=layout,
-                                      flag_without_block_drop=False)) == []
+                                      rules="vllm-0.33")) == []
     assert len(flagged(kv.kv_cache_groups(xs2, method="dflash", model_type="laguna", layout=layout))) == 1
     dsv4 = kv_specs.deepseek_v4_specs()
     for method in ("dflash", "dspark"):
         assert flagged(kv.kv_cache_groups(dsv4, method=method, model_type="deepseek_v4", layout=layout,
-                                          flag_without_block_drop=False)) == []
+                                          rules="vllm-0.33")) == []
     for method in ("eagle", "eagle3", "mtp"):
         (draft,) = flagged(kv.kv_cache_groups(dsv4, method=method, model_type="deepseek_v4", layout=layout,
-                                              flag_without_block_drop=False))
+                                              rules="vllm-0.33"))
         assert DSV4_DRAFT_LAYER in draft.layer_names
 
 

@@ -3,12 +3,16 @@
 vLLM packs the layers of a spec dict (``kv_specs``) into *KV-cache groups*: the
 layers of one group share one block table. A speculative drafter adds its own
 attention layers, and vLLM flags the groups that hold them
-(``KVCacheGroupSpec.is_eagle_group``). In 0.33 the flag is read by prefix caching
-only: with the EAGLE last-block drop on (eagle, eagle3, mtp), flagged groups give
-back the last block of a cache hit, whose draft K/V depends on the next token
-(``kv_cache_coordinator.py:129-137``); it also gates Mamba shared-prefix checkpoints
-(``kv_cache_manager.py:187-192``). With the drop on and no group flagged, the
-coordinator drops in *every* group, Mamba state included.
+(``KVCacheGroupSpec.is_eagle_group``). In 0.33 two kinds of code read the flag, and
+neither asks which method flagged it. Prefix caching: with the EAGLE last-block drop on
+(eagle, eagle3, mtp), flagged groups give back the last block of a cache hit, whose draft
+K/V depends on the next token (``kv_cache_coordinator.py:129-137``; with no group flagged
+it drops in *every* group, Mamba state included), and the flags gate Mamba shared-prefix
+checkpoints (``kv_cache_manager.py:187-192``). KV connectors: the OffloadingConnector
+keeps a flagged group's trailing chunk back while a request decodes
+(``distributed/kv_transfer/kv_connector/v1/offloading/scheduler.py:208-212, 467-468``), and
+the Mooncake store marks the spec groups of flagged groups
+(``.../mooncake/store/coordinator.py:196-216``).
 
 This module follows the data path of that decision:
 
@@ -17,12 +21,16 @@ This module follows the data path of that decision:
                       general path) or ``BLHNC`` (block-outermost: the packed path
                       when page sizes differ)
     the drop          ``needs_eagle_block_drop``: vLLM's own predicate per method
-    the rules         upstream vLLM #55390 as seeded on 0.33: the draft marker, the
-                      trailing-layer rule (MTP anywhere, every EAGLE-family method on
-                      DeepSeek V4/V4.1) behind an exact-partition check, and a warning
-                      when a hybrid's draft group cannot be found. The seed runs only
-                      where the block drop is on; flagging a DFlash/dspark group too is
-                      the lab's extension (``flag_without_block_drop``).
+    the rules         upstream vLLM #55390: the draft marker, the trailing-layer rule
+                      (MTP anywhere, every EAGLE-family method on DeepSeek V4/V4.1) behind
+                      an exact-partition check, and a warning when a hybrid with Mamba
+                      layers has no flagged group. ``rules`` picks when they run:
+                      ``"seed"`` (default) as the seed patch's own tests state them, for
+                      every EAGLE-family method, the warning after every annotation;
+                      ``"vllm-0.33"`` behind vLLM 0.33's gate, only where
+                      ``use_eagle_block_drop()`` (eagle, eagle3, mtp;
+                      ``kv_cache_planning.py:1650-1656``). ``kv_cache.compare`` tabulates
+                      where the two differ.
 
 ``kv_engine`` runs vLLM 0.33's own engine-level annotation for comparison;
 ``kv_layout`` reads the groups back: rows for the figures and memory per group.
@@ -57,6 +65,16 @@ EAGLE_METHODS = ("eagle", "eagle3", "mtp", "dflash", "dspark")
 # layer, as an MTP block does, by reusing the target's decoder layer.
 TRAILING_LAYER_MODEL_TYPES = ("deepseek_v4", "deepseek_v41")
 
+# When the rules run. "seed": the seed patch (port of #55390) as its test file states it:
+# annotation for every EAGLE-family method (its DeepSeek-V4 test flags dspark's group) and
+# the warning called after every annotation (its test_non_mtp_eagle_hybrid_still_warns expects
+# eagle, eagle3 and dspark on the Qwen3.5 hybrid to warn). "vllm-0.33": the same rules behind
+# 0.33's gate, which annotates and warns only under use_eagle_block_drop().
+RULES = {
+    "seed": "#55390 as the seed's tests state it: every EAGLE-family method, warning after every annotation",
+    "vllm-0.33": "#55390 behind vLLM 0.33's gate: only where use_eagle_block_drop() (eagle, eagle3, mtp)",
+}
+
 # The two cache layouts the lab compares; vLLM accepts the other KVCacheLayout names too.
 LAYOUTS = {"LBHNC": "general", "BLHNC": "packed"}
 
@@ -90,6 +108,13 @@ def _check_model_type(model_type: str | None) -> str | None:
         raise ValueError("model_type is empty: pass the `model_type` of the target's config.json "
                          "(e.g. 'laguna', 'qwen3_5', 'deepseek_v4') or None")
     return model_type
+
+
+def _check_rules(rules: str) -> str:
+    if rules not in RULES:
+        raise ValueError(f"rules {rules!r} is not one of {list(RULES)}: 'seed' (the seed patch's rules, as its "
+                         "tests state them) or 'vllm-0.33' (the same rules behind vLLM 0.33's block-drop gate)")
+    return rules
 
 
 def layout_name(layout: str) -> str:
@@ -175,6 +200,24 @@ def needs_eagle_block_drop(method: str | None) -> bool:
     return method is not None and bool(speculative_config_stub(method).needs_eagle_block_drop())
 
 
+def use_eagle_block_drop(method: str | None) -> bool:
+    """vLLM 0.33's ``SpeculativeConfig.use_eagle_block_drop()`` with the drop not switched off."""
+    return method is not None and bool(speculative_config_stub(method).use_eagle_block_drop())
+
+
+def rules_run(method: str | None, rules: str = "seed") -> bool:
+    """Whether the draft-group rules (annotation and warning) run for ``method`` under ``rules``.
+
+    ``"seed"``: for every EAGLE-family method (``use_eagle()``). ``"vllm-0.33"``: only under
+    ``use_eagle_block_drop()``, the branch of ``get_global_kv_cache_groups``
+    (``kv_cache_planning.py:1650-1656``) that holds both the annotation and the warning.
+    """
+    method, rules = _check_method(method), _check_rules(rules)
+    if method not in EAGLE_METHODS:
+        return False
+    return True if rules == "seed" else use_eagle_block_drop(method)
+
+
 def uses_trailing_mtp_layers(method: str | None, model_type: str | None) -> bool:
     """Whether the drafter's KV layers can be found by position (they register last).
 
@@ -204,15 +247,12 @@ def annotate_draft_groups(
     groups: list,
     *,
     use_trailing_layer_fallback: bool = False,
-    flag_without_block_drop: bool = True,
+    rules: str = "seed",
 ) -> None:
     """Set ``is_eagle_group`` on every group: True exactly for the drafter's groups.
 
-    Only EAGLE-family methods have a draft group; for the others every flag is False.
-    #55390's annotator (as seeded on 0.33) returns at once unless the method needs the
-    last-block drop, so it never flags a dflash or dspark group; ``flag_without_block_drop``
-    (the default) is the lab's extension that applies the rules to them too. Pass False
-    for the seed's behaviour.
+    Nothing is flagged unless the rules run (``rules_run``: every EAGLE-family method under
+    ``"seed"``, only eagle/eagle3/mtp under ``"vllm-0.33"``).
     1. Marker rule: a group holding a layer whose spec carries ``is_draft`` is the
        drafter's. Markers are read from ``kv_cache_spec`` by layer name, because a merged
        group spec may not keep them.
@@ -224,7 +264,7 @@ def annotate_draft_groups(
     method, model_type = _check_method(method), _check_model_type(model_type)
     specs = check_spec_dict(kv_cache_spec)
     flagged = [False] * len(groups)
-    if method in EAGLE_METHODS and (flag_without_block_drop or needs_eagle_block_drop(method)):
+    if rules_run(method, rules):
         draft_layers = {name for name, spec in specs.items() if spec.is_draft}
         flagged = [not draft_layers.isdisjoint(group.layer_names) for group in groups]
         if use_trailing_layer_fallback and groups_partition_layers_exactly(specs, groups):
@@ -248,23 +288,23 @@ def group_holds_mamba(group) -> bool:
     return any(isinstance(spec, vllm_api().iface.MambaSpec) for spec in group_layer_specs(group).values())
 
 
-def warn_if_draft_group_unidentified(method: str | None, groups: list) -> bool:
-    """Rule 3: warn when the block drop is on, no group is flagged and some group holds Mamba layers.
+def warn_if_draft_group_unidentified(method: str | None, groups: list, *, rules: str = "seed") -> bool:
+    """Rule 3: warn when the rules run, no group is flagged and some group holds Mamba layers.
 
-    Only there does vLLM's coordinator fall back to flagging every group, Mamba state
-    included (``kv_cache_coordinator.py:134-135``); vLLM 0.33 warns at the same place
-    (``kv_cache_planning.py:1044-1071``). Without the drop (dflash, dspark) nothing
-    drops, so there is nothing to warn about. Returns whether it warned.
+    The warning's own test is vLLM's (``kv_cache_planning.py:1044-1071``): nothing without a
+    Mamba group, so a sliding + full hybrid never warns. Where it is called differs: the seed
+    calls it after every annotation (so dspark and dflash warn too), 0.33 only inside its
+    block-drop branch (``:1650-1656``), where a group-less drop would reach every group, Mamba
+    state included (``kv_cache_coordinator.py:134-135``). Returns whether it warned.
     """
-    method = _check_method(method)
-    if not needs_eagle_block_drop(method) or any(g.is_eagle_group for g in groups):
+    if not rules_run(method, rules) or any(g.is_eagle_group for g in groups):
         return False
     mamba_groups = [i for i, g in enumerate(groups) if group_holds_mamba(g)]
     if not mamba_groups:
         return False
     logger.warning(
-        "Speculative decoding (method=%s) is on but %s; vLLM's coordinator then drops the last "
-        "prefix-cache block in every group, the Mamba groups %s included.", method, DRAFT_GROUP_WARNING, mamba_groups,
+        "Speculative decoding (method=%s) is on but %s (Mamba groups %s; rules=%s).", method, DRAFT_GROUP_WARNING,
+        mamba_groups, rules,
     )
     return True
 
@@ -295,20 +335,20 @@ def kv_cache_groups(
     model_type: str | None = None,
     layout: str = "LBHNC",
     hybrid_manager_disabled: bool = False,
-    flag_without_block_drop: bool = True,
+    rules: str = "seed",
 ) -> list:
     """vLLM's grouping, then the draft-group rules on top of it.
 
     The trailing-layer rule is on where ``uses_trailing_mtp_layers`` says so, on the packed
     and the general path alike. ``layout`` is a vLLM KVCacheLayout name ('LBHNC' general,
-    'BLHNC' block-outermost/packed) or 'general' / 'packed'. ``flag_without_block_drop=False``
-    gives #55390 exactly as seeded on 0.33 (no flag for dflash/dspark).
+    'BLHNC' block-outermost/packed) or 'general' / 'packed'. ``rules`` is ``"seed"`` (the
+    seed patch's rules as its tests state them) or ``"vllm-0.33"`` (the same rules behind
+    0.33's block-drop gate); see ``RULES``.
     """
-    method, model_type = _check_method(method), _check_model_type(model_type)
+    method, model_type, rules = _check_method(method), _check_model_type(model_type), _check_rules(rules)
     specs = check_spec_dict(kv_cache_spec)
     groups = vllm_kv_cache_groups(specs, layout=layout, hybrid_manager_disabled=hybrid_manager_disabled)
     annotate_draft_groups(method, model_type, specs, groups,
-                          use_trailing_layer_fallback=uses_trailing_mtp_layers(method, model_type),
-                          flag_without_block_drop=flag_without_block_drop)
-    warn_if_draft_group_unidentified(method, groups)
+                          use_trailing_layer_fallback=uses_trailing_mtp_layers(method, model_type), rules=rules)
+    warn_if_draft_group_unidentified(method, groups, rules=rules)
     return groups

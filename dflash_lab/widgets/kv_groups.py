@@ -9,11 +9,11 @@ from dflash_lab.kv_cache import engine as kv_engine, layout as kv_layout, preset
 from dflash_lab.kv_cache import groups as kv  # vLLM itself is imported lazily (kv_specs.vllm_api)
 from dflash_lab import viz
 
-# Who flags the drafter's group: the lab's rules, #55390 exactly as seeded on 0.33, or
-# vLLM 0.33's engine without #55390.
+# Who flags the drafter's group: #55390's rules as the seed's tests state them, the same
+# rules behind vLLM 0.33's block-drop gate, or vLLM 0.33's engine without #55390.
 FLAGGERS = {
-    "lab": "#55390 rules, every EAGLE method (lab)",
-    "seed": "#55390 as seeded on 0.33 (only with the block drop)",
+    "seed": "#55390 as the seed states it (every EAGLE method)",
+    "vllm-0.33": "#55390 behind 0.33's gate (only with the block drop)",
     "engine": "vLLM 0.33 engine, no #55390",
 }
 
@@ -101,7 +101,7 @@ def kv_groups_explorer(*, kv_budget_bytes: int = 1 << 30) -> widgets.VBox:
         else:
             with kv.captured_warnings() as warned:
                 groups = kv.kv_cache_groups(specs, method=method.value, model_type=p["model_type"], **run,
-                                            flag_without_block_drop=flagger.value == "lab")
+                                            rules=flagger.value)
         status.value = "<small>" + " · ".join(f"greyed out: {n}" for n in notes) + "</small>"
         show(layout_fig, viz.kv_group_layout_figure(kv_layout.describe_groups(groups, specs), title=title,
                                                     warning=warned[0] if warned else None))
