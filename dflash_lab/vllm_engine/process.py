@@ -27,8 +27,9 @@ SHIM_PLUGIN = "dflash_lab_cpu_shim"  # vllm_cpu_shim's entry-point name (vllm_cp
 HINTS = {
     "All drafting layers should belong to the same kv cache group": (
         "vLLM split the drafter's attention layers over more than one KV-cache group (with a hybrid "
-        "sliding/full target, the layer counts decide the grouping: chapter 4), and its proposer needs them in "
-        "one. dflash_lab.vllm_engine.kv_grouping.drafter_kv_groups shows the split; the lab passes "
+        "sliding/full target, the layer counts decide the grouping: chapter 4), and the V1 model runner's "
+        "proposer, which this CPU engine runs, needs them in one (validate_same_kv_cache_group). "
+        "dflash_lab.vllm_engine.kv_grouping.drafter_kv_groups shows the split; the lab passes "
         "--disable-hybrid-kv-cache-manager for such pairs unless told not to (one group, same outputs)."),
     "expected int, got NoneType": (
         "transformers' strict LagunaConfig rejects a null in config.json: omit the key instead of writing null."),

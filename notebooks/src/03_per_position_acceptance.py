@@ -413,13 +413,16 @@ explorer
 # 8 prompts above with 64 greedy tokens each, and the spec-decode part of its `/metrics` page
 # was saved by `notebooks/data/capture_vllm_metrics_shipped_pair.py`.
 #
-# One thing had to be set for vLLM to serve this pair at all. vLLM's DFlash proposer needs all
-# drafter layers in **one** [KV-cache group](GLOSSARY.md#kv-cache-group). With a hybrid target
+# One thing had to be set for vLLM to serve this pair at all. vLLM's V1 model runner, which
+# this CPU build runs, needs all drafter layers in **one**
+# [KV-cache group](GLOSSARY.md#kv-cache-group) (its proposer's `validate_same_kv_cache_group`,
+# `v1/spec_decode/llm_base_proposer.py:1689-1709`). With a hybrid target
 # (4 sliding + 2 full layers here) vLLM cuts each attention type into groups of equal size,
 # and the counts decide where the cut falls: the 2 + 4 full-attention layers become two groups
-# of three, each with two of the drafter's layers, and vLLM refuses to start ("All
+# of three, each with two of the drafter's layers, and the V1 runner refuses to start ("All
 # drafting layers should belong to the same kv cache group"; [chapter 4](04_hybrid_kv_groups.ipynb)
-# draws these groups). With `--disable-hybrid-kv-cache-manager` every layer shares one group;
+# draws these groups, and says what 0.33's V2 runner, the default on a GPU, does instead).
+# With `--disable-hybrid-kv-cache-manager` every layer shares one group;
 # sliding layers still attend only inside their window, so the tokens do not change, only
 # their old pages are no longer freed. The lab asks vLLM's own grouping and passes the flag
 # only for pairs that need it:
