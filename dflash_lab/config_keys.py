@@ -108,9 +108,12 @@ def rope_resolution_table(d: dict) -> list[dict]:
         theta, factor = in_file.get("rope_theta"), in_file.get("partial_rotary_factor")
         differs = (theta is not None and float(theta) != served["rope_theta"]) or \
             (factor is not None and float(factor) != served["partial_rotary_factor"])
+        # With no rope_parameters in the file, the entries are LagunaConfig's defaults: say so.
+        default = "" if isinstance(d.get("rope_parameters"), dict) else " (LagunaConfig's default)"
+        mark = lambda key: key + default if key.startswith("rope_parameters") else key  # noqa: E731
         rows.append({"layer_type": t, "rope_theta_in_file": theta, "rope_theta_served": float(served["rope_theta"]),
                      "partial_rotary_in_file": factor, "partial_rotary_factor": float(served["partial_rotary_factor"]),
-                     "rope_from": origin, "partial_rotary_from": partial_from or "get_rope's default (1.0)",
+                     "rope_from": mark(origin), "partial_rotary_from": mark(partial_from or "get_rope's default (1.0)"),
                      "differs": bool(differs)})
     return rows
 

@@ -289,8 +289,9 @@ def test_flat_rope_theta_is_read_as_transformers_reads_it():
     sliding = next(r for r in rope_resolution_table(d) if r["layer_type"] == "sliding_attention")
     assert sliding == {"layer_type": "sliding_attention", "rope_theta_in_file": 500000.0, "rope_theta_served": 10000.0,
                        "partial_rotary_in_file": None, "partial_rotary_factor": 1.0,
-                       "rope_from": "rope_parameters.sliding_attention",
-                       "partial_rotary_from": "rope_parameters.sliding_attention", "differs": True}
+                       "rope_from": "rope_parameters.sliding_attention (LagunaConfig's default)",
+                       "partial_rotary_from": "rope_parameters.sliding_attention (LagunaConfig's default)",
+                       "differs": True}
 
 
 def test_a_flat_rope_theta_reaches_no_layer_type(drafter_config_dict):

@@ -33,7 +33,7 @@ from IPython.display import HTML
 from dflash_lab import presets, viz
 from dflash_lab.assets import default_device, heldout_prompts, load_default_pair
 from dflash_lab.checkpoint import CheckpointError, load_drafter, save_drafter
-from dflash_lab.config import DFlashDrafterConfig, rope_resolution_table
+from dflash_lab.config import DFlashDrafterConfig, config_key_table, rope_resolution_table
 from dflash_lab.drafter import DFlashLagunaDrafter, dflash_attention_mask
 from dflash_lab.runtime import seed_everything
 from dflash_lab.spec_decode import speculative_generate
@@ -174,10 +174,13 @@ for name in presets.DRAFTER_PRESETS:
 # `model.layers.53`.
 #
 # **RoPE: what the file says and what vLLM serves.** The S-2.1 file carries one flat
-# `rope_theta: 500000`. vLLM reads a drafter directory through transformers' `LagunaConfig`,
-# which files a flat `rope_theta` under `full_attention` only; `sliding_attention` keeps its
-# default θ 10000. These drafters are all sliding, so vLLM serves them with θ 10000, not the
-# file's 500000. The lab follows vLLM, and flags the difference:
+# `rope_theta: 500000` and no `rope_parameters`. vLLM reads a drafter directory through
+# transformers' `LagunaConfig`, which does not move a flat `rope_theta` anywhere: both layer
+# types keep Laguna's defaults (`full_attention` θ 500000 on half of each head, which happens
+# to equal the file's value; `sliding_attention` θ 10000 on all of it). Each vLLM layer then
+# picks its entry (`laguna.py:365-373`: its layer type's, else `full_attention`'s). These
+# drafters are all sliding, so vLLM serves them with θ 10000, not the file's 500000. The lab
+# follows vLLM, says which key each value came from, and flags the difference:
 
 # %%
 d_s21, _ = presets.drafter_preset("laguna-s-2.1-dflash")
@@ -185,7 +188,58 @@ for row in rope_resolution_table(d_s21):
     flag = "  <- differs from the file" if row["differs"] else ""
     print(f"{row['layer_type']:18s} theta in file {row['rope_theta_in_file']:>9g}   vLLM serves "
           f"{row['rope_theta_served']:>9g}   partial rotary {row['partial_rotary_factor']:g}{flag}")
+    print(f"{'':18s} from {row['rope_from']}")
 print("the S-2.1 drafter's own layers run theta", DFlashDrafterConfig.from_dict(d_s21).rope["rope_theta"])
+
+# %% [markdown]
+# **The other keys vLLM reads.** A sliding layer takes `swa_rope_parameters` instead of its
+# entry when the file has it (`laguna.py:380-394`); a top-level `partial_rotary_factor` is
+# added to an entry that has none (`:398-400`); `swa_attention_sink_enabled` gives sliding
+# layers a learned sink per head (`:354-358, 485-488`), which the lab's drafter does not have,
+# so the lab refuses it by name. For the layer ids, `eagle_aux_hidden_state_layer_ids` wins when
+# non-empty (an empty list counts as absent, `eagle3_utils.py:120`), but
+# `dflash_config.target_layer_ids` must be there too: `DFlashLagunaModel` reads it
+# (`laguna_dflash.py:78`). vLLM also takes aux id 0 (the embedding output,
+# `laguna.py:651-653`); the lab captures layer outputs only and refuses it, saying so. The S-2.1
+# file with one key changed at a time, as the lab reads it (a test builds vLLM's own drafter on
+# such configs and checks every θ and rotary width):
+
+# %%
+def s21_with(**changes):
+    d = copy.deepcopy(d_s21)
+    for key, value in changes.items():
+        if key == "target_layer_ids":
+            d["dflash_config"].pop("target_layer_ids")
+        else:
+            d[key] = value
+    return d
+
+
+variants = {
+    "as published": s21_with(),
+    "swa_rope_parameters theta 250000": s21_with(swa_rope_parameters={"rope_theta": 250000.0}),
+    "partial_rotary_factor 0.5, swa entry without one": s21_with(swa_rope_parameters={"rope_theta": 10000.0},
+                                                                 partial_rotary_factor=0.5),
+    "swa_attention_sink_enabled true": s21_with(swa_attention_sink_enabled=True),
+    "aux ids, no target_layer_ids": s21_with(target_layer_ids=None),
+    "aux ids empty": s21_with(eagle_aux_hidden_state_layer_ids=[]),
+    "aux ids start at 0": s21_with(eagle_aux_hidden_state_layer_ids=[0, 11, 20, 30, 39, 48]),
+}
+for label, d in variants.items():
+    try:
+        c = DFlashDrafterConfig.from_dict(d)
+        print(f"{label:48s} -> theta {c.rope['rope_theta']:g}, rotary {c.rotary_dim}/{c.head_dim}, "
+              f"aux ids {c.aux_hidden_state_layer_ids}")
+    except (ValueError, NotImplementedError) as e:
+        print(f"{label:48s} -> {type(e).__name__}: {str(e).split(': ', 1)[1][:110]}...")
+
+# %% [markdown]
+# Each key, what vLLM 0.33 does with it and what the lab does, for the published S-2.1 file
+# (`config.config_key_table`):
+
+# %%
+for row in config_key_table(d_s21):
+    print(f"{row['key']:34s} file: {str(row['in_file'])[:26]:26s} vLLM: {row['vllm']}\n{'':34s} lab: {row['lab']}")
 
 # %% [markdown]
 # **Asking vLLM itself.** The lab's rules are vLLM's, written out; vLLM 0.33 is installed, so

