@@ -22,24 +22,19 @@ Because they round in different orders they agree to rounding only:
 ``context_kv_tolerance`` is the rule, and ``context_kv_agreement`` is the one
 comparison every test, benchmark, notebook and widget uses.
 
-Each function takes the drafter as its first argument (``drafter.py`` calls in
-here through ``DFlashLagunaDrafter.precompute_context_kv``; this module never
-imports the drafter).
+Each function takes the drafter as its first argument and reads only its layers, its
+config and its ``context_kv_buffers`` dict (``drafter.py`` calls in here through
+``DFlashLagunaDrafter.precompute_context_kv``; this module never imports the drafter).
 """
 
 from __future__ import annotations
 
 import math
-import weakref
-from typing import TYPE_CHECKING
 
 import torch
 
+from .layers import apply_rope, rms_normalize, rope_tables
 from .spec_decode.fast import context_kv_kernel as kernels
-from .layers import apply_rope, rms_normalize
-
-if TYPE_CHECKING:
-    from .drafter import DFlashLagunaDrafter
 
 CONTEXT_KV_PATHS = ("reference", "batched", "folded")
 
@@ -90,28 +85,23 @@ def context_kv_agreement(out, ref) -> dict:
 # Stacked and folded weights, built once per set of weights
 # ---------------------------------------------------------------------------
 
-# drafter.layers -> (what the buffers were built from, the buffers). Keyed by the layer
-# list, so views of one drafter (with_window) share them; weak keys, so the buffers go
-# when the layers do.
-_BUFFERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def build_context_kv_buffers(drafter: DFlashLagunaDrafter, device, dtype) -> dict:
+def build_context_kv_buffers(drafter, device, dtype) -> dict:
     """Stacked (batched path) and folded (folded path) weights on ``device`` in ``dtype``.
 
     Keys: ``kv_weights`` (L, 2*nkv*hd, H), ``input_layernorm_weights`` (L, H),
     ``k_norm_weights`` (L, hd), ``folded_weight`` (L*2*nkv*hd, H) with rows ordered
     (layer, k|v, head, channel), and ``kv_biases`` (L, 2*nkv*hd) when the
-    projections have a bias. Cached per drafter; rebuilt when a weight changes
-    (in place or replaced) or another device/dtype is asked for.
+    projections have a bias. Built once per (device, dtype) into the drafter's
+    ``context_kv_buffers`` (as vLLM builds its buffers once after loading), which the
+    drafter empties whenever its weights may change (``refresh_context_kv_buffers``).
+    They are inference constants (no gradient flows through them): training uses the
+    reference path.
     """
     attns = [layer.self_attn for layer in drafter.layers]
     norms = [layer.input_layernorm for layer in drafter.layers]
-    params = [p for a in attns for p in (a.qkv_proj.weight, a.k_norm.weight)] + [n.weight for n in norms]
-    key = (device, dtype, tuple((p.data_ptr(), p._version) for p in params))
-    cached = _BUFFERS.get(drafter.layers)
-    if cached is not None and cached[0] == key:
-        return cached[1]
+    key = (torch.device(device), dtype)
+    if key in drafter.context_kv_buffers:
+        return drafter.context_kv_buffers[key]
     with torch.no_grad():
         q = attns[0].q_size
         kv_w = torch.stack([a.qkv_proj.weight[q:] for a in attns])  # (L, 2*nkv*hd, H)
@@ -125,7 +115,7 @@ def build_context_kv_buffers(drafter: DFlashLagunaDrafter, device, dtype) -> dic
         }
         if attns[0].qkv_proj.bias is not None:
             bufs["kv_biases"] = torch.stack([a.qkv_proj.bias[q:] for a in attns]).to(device, dtype)  # (L, 2*nkv*hd)
-    _BUFFERS[drafter.layers] = (key, bufs)
+    drafter.context_kv_buffers[key] = bufs
     return bufs
 
 
@@ -134,8 +124,8 @@ def build_context_kv_buffers(drafter: DFlashLagunaDrafter, device, dtype) -> dic
 # ---------------------------------------------------------------------------
 
 
-def context_kv_reference(drafter: DFlashLagunaDrafter, context: torch.Tensor, positions: torch.Tensor):
-    cos, sin = drafter.rope_tables(positions, context.dtype)
+def context_kv_reference(drafter, context: torch.Tensor, positions: torch.Tensor):
+    cos, sin = rope_tables(drafter.config, positions, context.dtype)
     ks, vs = [], []
     for layer in drafter.layers:
         k, v = layer.self_attn.project_kv(layer.input_layernorm(context), cos, sin)  # (N, nkv, hd) each
@@ -144,7 +134,7 @@ def context_kv_reference(drafter: DFlashLagunaDrafter, context: torch.Tensor, po
     return torch.stack(ks), torch.stack(vs)  # (L, N, nkv, hd)
 
 
-def context_kv_batched(drafter: DFlashLagunaDrafter, context: torch.Tensor, positions: torch.Tensor):
+def context_kv_batched(drafter, context: torch.Tensor, positions: torch.Tensor):
     cfg, L, N = drafter.config, len(drafter.layers), context.shape[0]
     bufs = build_context_kv_buffers(drafter, context.device, context.dtype)
     normed = bufs["input_layernorm_weights"][:, None, :] * rms_normalize(context, cfg.rms_norm_eps).unsqueeze(0)  # (L, N, H)
@@ -153,11 +143,11 @@ def context_kv_batched(drafter: DFlashLagunaDrafter, context: torch.Tensor, posi
         kv = kv + bufs["kv_biases"][:, None, :]
     k, v = kv.view(L, N, 2, cfg.num_key_value_heads, cfg.head_dim).permute(2, 0, 1, 3, 4).contiguous()  # (L, N, nkv, hd)
     k = bufs["k_norm_weights"][:, None, None, :] * rms_normalize(k, cfg.rms_norm_eps)
-    cos, sin = drafter.rope_tables(positions, context.dtype)
+    cos, sin = rope_tables(drafter.config, positions, context.dtype)
     return apply_rope(k, cos, sin), v
 
 
-def context_kv_folded(drafter: DFlashLagunaDrafter, context: torch.Tensor, positions: torch.Tensor, *,
+def context_kv_folded(drafter, context: torch.Tensor, positions: torch.Tensor, *,
                       fused: bool | None = None):
     """fused: None = the fused Triton epilogue where it can run (see kernels.fused_available),
     False = torch ops, True = insist on the kernel."""
@@ -172,12 +162,12 @@ def context_kv_folded(drafter: DFlashLagunaDrafter, context: torch.Tensor, posit
     if "kv_biases" in bufs:
         kv = kv + bufs["kv_biases"].flatten()
     kv = kv.view(N, L, 2, cfg.num_key_value_heads, cfg.head_dim)
-    cos, sin = drafter.rope_tables(positions, context.dtype)
+    cos, sin = rope_tables(drafter.config, positions, context.dtype)
     k = bufs["k_norm_weights"][:, None, None, :] * rms_normalize(kv[:, :, 0].transpose(0, 1), cfg.rms_norm_eps)
     return apply_rope(k, cos, sin).contiguous(), kv[:, :, 1].transpose(0, 1).contiguous()  # (L, N, nkv, hd)
 
 
-def compute_context_kv(drafter: DFlashLagunaDrafter, context: torch.Tensor, positions: torch.Tensor,
+def compute_context_kv(drafter, context: torch.Tensor, positions: torch.Tensor,
                        path: str = "folded", *, fused: bool | None = None):
     """K, V (L, N, nkv, hd) by ``path`` (one of CONTEXT_KV_PATHS); ``fused`` applies to the folded path only."""
     if path not in CONTEXT_KV_PATHS:

@@ -5,10 +5,14 @@
         -> precompute_context_kv      (every layer's K/V of the context, once;
                                        three paths in context_kv.py)                 [L, N, nkv, hd]
     block = [last token, mask x (B-1)], embedded with the TARGET's embedding table   [B, H]
-        -> forward                    (L decoder layers; queries = the block,
-                                       keys/values = [context K/V ; block K/V],
-                                       no causal mask inside the block)               [B, H]
+        -> forward                    (L decoder layers; queries = the block, keys/values =
+                                       context K/V + block K/V from a K/V store; who sees
+                                       whom: visible_keys, vLLM's causality and window)  [B, H]
         -> the target's lm_head       (position j >= 1 predicts the token AT j)
+
+Every backend drafts through this one forward: the eager loop and training keep the
+context beside the block (``ConcatKV``), the static/graphed path writes it into
+preallocated slots (``SlotKV``) and passes one-kernel norms as ``ops``.
 
 Parameter names match vLLM 0.33's ``DFlashLagunaForCausalLM`` checkpoint layout
 (``layers.0.self_attn.qkv_proj.weight``, ``fc.weight``, ...), so a state dict of
@@ -19,7 +23,6 @@ lm_head: both are the target's. RMSNorm and RoPE come from ``layers.py``.
 from __future__ import annotations
 
 import copy
-import functools
 
 import torch
 import torch.nn.functional as F
@@ -27,7 +30,7 @@ from torch import nn
 
 from .config import DFlashDrafterConfig
 from .context_kv import compute_context_kv
-from .layers import RMSNorm, apply_rope, rope_cos_sin
+from .layers import RMSNorm, TorchOps, apply_rope, gqa_attention, rope_tables
 
 # ---------------------------------------------------------------------------
 # Layers (Laguna-flavoured)
@@ -35,7 +38,13 @@ from .layers import RMSNorm, apply_rope, rope_cos_sin
 
 
 class DFlashAttention(nn.Module):
-    """Laguna attention: fused qkv, per-head q/k RMSNorm, partial RoPE, softplus gate."""
+    """Laguna attention: fused qkv, per-head q/k RMSNorm, partial RoPE, softplus gate.
+
+    The one implementation of the drafter's block attention, for every backend: where the
+    keys live (beside the block, or in preallocated slots) is the K/V store's business
+    (``ConcatKV`` / ``SlotKV`` below), how norms run is ``ops``'s (``layers.TorchOps``, or
+    the fast path's one-kernel versions).
+    """
 
     def __init__(self, cfg: DFlashDrafterConfig):
         super().__init__()
@@ -58,25 +67,20 @@ class DFlashAttention(nn.Module):
         k, v = kv.unflatten(-1, (2, self.num_kv_heads, self.head_dim)).unbind(-3)  # (..., nkv, hd) each
         return apply_rope(self.k_norm(k), cos, sin), v
 
-    def forward(self, x, cos, sin, ctx_k, ctx_v, mask):
-        """x: (B, Q, H) normalised block states; ctx_k/ctx_v: (B, N, nkv, hd); mask: (B, Q, N+Q) bool."""
-        B, Q, _ = x.shape
-        qkv = self.qkv_proj(x)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rope(self.q_norm(q.unflatten(-1, (self.num_heads, self.head_dim))), cos, sin)  # (B, Q, nh, hd)
-        k = apply_rope(self.k_norm(k.unflatten(-1, (self.num_kv_heads, self.head_dim))), cos, sin)  # (B, Q, nkv, hd)
-        v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
-        keys = torch.cat([ctx_k, k], dim=1).transpose(1, 2)  # (B, nkv, N+Q, hd)
-        values = torch.cat([ctx_v, v], dim=1).transpose(1, 2)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), keys, values, attn_mask=mask[:, None], scale=self.head_dim**-0.5,
-            enable_gqa=self.num_heads != self.num_kv_heads,
-        )  # (B, nh, Q, hd)
-        out = out.transpose(1, 2)  # (B, Q, nh, hd)
+    def forward(self, x, cos, sin, keys_values, mask, ops=TorchOps):
+        """x: (B, Q, H) normalised block states; keys_values(k, v) -> all keys/values (B, S, nkv, hd);
+        mask: (B, Q, S) bool, True where a query sees a key."""
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = ops.norm_rope(self.q_norm, q, cos, sin, self.num_heads, self.head_dim)  # (B, Q, nh, hd)
+        k = ops.norm_rope(self.k_norm, k, cos, sin, self.num_kv_heads, self.head_dim)  # (B, Q, nkv, hd)
+        keys, values = keys_values(k, v.unflatten(-1, (self.num_kv_heads, self.head_dim)))  # (B, S, nkv, hd)
+        out = gqa_attention(q, keys.transpose(1, 2), values.transpose(1, 2), mask, self.head_dim**-0.5)  # (B, Q, nh*hd)
         if self.gating:
             gate = F.softplus(self.g_proj(x).float()).to(out.dtype)
-            out = out * (gate.unsqueeze(-1) if self.gate_per_head else gate.unflatten(-1, (self.num_heads, self.head_dim)))
-        return self.o_proj(out.flatten(-2))
+            out = out.unflatten(-1, (self.num_heads, self.head_dim))  # (B, Q, nh, hd)
+            out = (out * (gate.unsqueeze(-1) if self.gate_per_head else gate.unflatten(-1, (self.num_heads, self.head_dim))))
+            out = out.flatten(-2)
+        return self.o_proj(out)
 
 
 class DFlashMLP(nn.Module):
@@ -102,9 +106,9 @@ class DFlashDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = DFlashMLP(cfg)
 
-    def forward(self, h, cos, sin, ctx_k, ctx_v, mask):
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, ctx_k, ctx_v, mask)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, h, cos, sin, keys_values, mask, ops=TorchOps):
+        h = h + self.self_attn(ops.norm(self.input_layernorm, h), cos, sin, keys_values, mask, ops)
+        return h + self.mlp(ops.norm(self.post_attention_layernorm, h))
 
 
 # ---------------------------------------------------------------------------
@@ -112,37 +116,118 @@ class DFlashDecoderLayer(nn.Module):
 # ---------------------------------------------------------------------------
 
 
-def dflash_attention_mask(positions: torch.Tensor, context_positions: torch.Tensor, block_size: int,
-                          window: int | None = None, *, causal: bool = False) -> torch.Tensor:
-    """Boolean (B, Q, N+Q) mask, True where query q may attend to key k.
+def visible_keys(q_pos: torch.Tensor, k_pos: torch.Tensor, q_start: torch.Tensor, k_is_context: torch.Tensor,
+                 k_in_own_block: torch.Tensor, *, causal: bool, window: int | None) -> torch.Tensor:
+    """THE rule: which keys a block query sees. Every argument broadcasts to (B, Q, K); returns bool (B, Q, K).
 
-    ``positions`` (B, Q) holds Q = num_blocks * block_size block positions, each
-    block contiguous. A query sees (a) context keys strictly before its block's
-    first position and (b) keys of its own block: all of them, or with ``causal``
-    only those at or before its own position (vLLM makes sliding drafter layers
-    causal, FIDELITY §1). A sliding ``window`` limits compute, not the K/V store:
-    causal layers see keys with q_pos - k_pos < window (vLLM's window (w, 0));
-    non-causal layers see |q_pos - k_pos| < window in both directions (vLLM's
-    ``_maybe_symmetrize_window`` turns (w, 0) into (w, w)).
+    q_pos / q_start: the query's position and its block's first position; k_pos: the key's position;
+    k_is_context: the key holds a context position (the target's features); k_in_own_block: the key
+    belongs to the query's own block. A query sees (a) context keys strictly before its block and
+    (b) its own block: all of it, or with ``causal`` the keys at or before itself (vLLM's
+    ``_dflash_layer_causal``: sliding layers are causal unless the config says otherwise, FIDELITY
+    §1). A ``window`` limits compute, not the K/V store: |q - k| < window, which for a causal layer is
+    vLLM's one-sided (w, 0) and for a non-causal one ``_maybe_symmetrize_window``'s (w, w).
     """
+    visible = (k_is_context & (k_pos < q_start)) | k_in_own_block
+    if causal:
+        visible = visible & (k_pos <= q_pos)
+    if window is not None:
+        visible = visible & ((q_pos - k_pos).abs() < window)
+    return visible
+
+
+def _block_starts(positions: torch.Tensor, block_size: int) -> torch.Tensor:
+    """(B, Q) first position of each query's block; Q = num_blocks * block_size, each block contiguous."""
     B, Q = positions.shape
     if Q % block_size:
         raise ValueError(f"positions has {Q} block tokens, not a multiple of block_size {block_size}")
+    nb = Q // block_size
+    return positions.view(B, nb, block_size)[..., :1].expand(B, nb, block_size).reshape(B, Q)
+
+
+def dflash_attention_mask(positions: torch.Tensor, context_positions: torch.Tensor, block_size: int,
+                          window: int | None = None, *, causal: bool = False) -> torch.Tensor:
+    """``visible_keys`` for keys laid out as [context ; blocks]: bool (B, Q, N+Q).
+
+    ``positions`` (B, Q) holds Q = num_blocks * block_size block positions, each block
+    contiguous; ``context_positions`` (N,) or (B, N). This is ``ConcatKV``'s key layout.
+    """
+    B, Q = positions.shape
+    start = _block_starts(positions, block_size)[:, :, None]  # (B, Q, 1)
     if context_positions.dim() == 1:
         context_positions = context_positions.expand(B, -1)
-    nb = Q // block_size
-    start = positions.view(B, nb, block_size)[..., :1].expand(B, nb, block_size).reshape(B, Q)  # block start per query
-    ctx = context_positions[:, None, :] < start[:, :, None]  # (B, Q, N)
-    block_id = torch.arange(nb, device=positions.device).repeat_interleave(block_size)
-    blk = (block_id[:, None] == block_id[None, :]).expand(B, Q, Q)  # (B, Q, Q)
-    ctx_dist = positions[:, :, None] - context_positions[:, None, :]  # (B, Q, N) q_pos - k_pos
-    blk_dist = positions[:, :, None] - positions[:, None, :]  # (B, Q, Q)
-    if causal:
-        blk = blk & (blk_dist >= 0)
-    if window is not None:
-        ctx = ctx & (ctx_dist.abs() < window)
-        blk = blk & (blk_dist.abs() < window)  # |q - k| < w; for causal layers k <= q already holds
-    return torch.cat([ctx, blk], dim=-1)
+    N = context_positions.shape[1]
+    k_pos = torch.cat([context_positions, positions], dim=1)[:, None, :]  # (B, 1, N+Q)
+    block_id = torch.arange(Q, device=positions.device) // block_size
+    is_context = torch.arange(N + Q, device=positions.device) < N  # (N+Q,)
+    own = torch.cat([torch.zeros(Q, N, dtype=torch.bool, device=positions.device),
+                     block_id[:, None] == block_id[None, :]], dim=1)  # (Q, N+Q)
+    return visible_keys(positions[:, :, None], k_pos, start, is_context, own, causal=causal, window=window)
+
+
+# ---------------------------------------------------------------------------
+# Where the keys live: two K/V stores behind the one attention
+# ---------------------------------------------------------------------------
+
+
+class ConcatKV:
+    """Context K/V held beside the block: each layer attends to [context K/V ; block K/V].
+
+    For eager decoding and training (any number of blocks per row). k, v: (L, B, N, nkv, hd)
+    or (L, N, nkv, hd) (shared by every row); positions: (N,) or (B, N).
+    """
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor):
+        self.k, self.v, self.positions = k, v, positions
+
+    def layer(self, i: int, positions: torch.Tensor):
+        k_ctx, v_ctx = self.k[i], self.v[i]
+        if k_ctx.dim() == 3:
+            B = positions.shape[0]
+            k_ctx, v_ctx = k_ctx.expand(B, -1, -1, -1), v_ctx.expand(B, -1, -1, -1)
+        return lambda k, v: (torch.cat([k_ctx, k], dim=1), torch.cat([v_ctx, v], dim=1))  # (B, N+Q, nkv, hd)
+
+    def mask(self, positions: torch.Tensor, block_size: int, *, causal: bool, window: int | None) -> torch.Tensor:
+        return dflash_attention_mask(positions, self.positions.to(positions.device), block_size, window, causal=causal)
+
+
+class SlotKV:
+    """Context K/V at slot == position of preallocated buffers k, v (L, B, S, nkv, hd), one block per row.
+
+    For the static, graphed path: ``write`` scatters context K/V at their positions' slots; each
+    layer writes the block's own K/V into slots t .. t+Q-1 in place and attends to the whole
+    buffer, the mask (``visible_keys`` in slot terms) hiding every slot that is neither context
+    before t nor this block. Slots past the accepted context may hold a rejected step's K/V:
+    they are hidden, and overwritten before any query can see them.
+    """
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor):
+        self.k, self.v = k, v
+        self.slots = torch.arange(k.shape[2], device=k.device)
+
+    def write(self, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v (L, B, Q, nkv, hd) of positions (B, Q), written at those slots."""
+        index = positions[None, :, :, None, None].expand_as(k)
+        self.k.scatter_(2, index, k)
+        self.v.scatter_(2, index, v)
+
+    def layer(self, i: int, positions: torch.Tensor):
+        index = positions[:, :, None, None].expand(*positions.shape, *self.k.shape[3:])  # (B, Q, nkv, hd)
+
+        def keys_values(k, v):  # the block's K/V (B, Q, nkv, hd) into its slots; every slot back
+            self.k[i].scatter_(1, index, k)
+            self.v[i].scatter_(1, index, v)
+            return self.k[i], self.v[i]
+        return keys_values
+
+    def mask(self, positions: torch.Tensor, block_size: int, *, causal: bool, window: int | None) -> torch.Tensor:
+        B, Q = positions.shape
+        if Q != block_size:
+            raise ValueError(f"SlotKV holds one block per row: got {Q} block tokens for block_size {block_size}")
+        start = positions[:, :1, None]  # (B, 1, 1): t, the context is slots < t
+        k_pos = self.slots[None, None, :]  # (1, 1, S): slot == position
+        own = (k_pos >= start) & (k_pos < start + Q)
+        return visible_keys(positions[:, :, None], k_pos, start, k_pos < start, own, causal=causal, window=window)
 
 
 # ---------------------------------------------------------------------------
@@ -151,19 +236,30 @@ def dflash_attention_mask(positions: torch.Tensor, context_positions: torch.Tens
 
 
 class DFlashLagunaDrafter(nn.Module):
-    """vLLM 0.33's DFlashLagunaForCausalLM, as plain torch (no embedding, no lm_head)."""
+    """vLLM 0.33's DFlashLagunaForCausalLM, as plain torch (no embedding, no lm_head).
+
+    ``window`` is the attention window the drafter drafts with: the config's (vLLM serves
+    that), or another one set with ``with_window``. Causality is always vLLM's rule on the
+    config (``config.is_causal``).
+    """
 
     def __init__(self, config: DFlashDrafterConfig):
         super().__init__()
         if not isinstance(config, DFlashDrafterConfig):
             raise TypeError(f"config must be a DFlashDrafterConfig, got {type(config).__name__}")
         self.config = config
+        self.window = config.window
         n_aux = len(config.target_layer_ids)
         self.layers = nn.ModuleList(DFlashDecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.aux_hidden_norms = nn.ModuleList(RMSNorm(config.target_hidden_size, config.rms_norm_eps) for _ in range(n_aux))
         self.fc = nn.Linear(n_aux * config.target_hidden_size, config.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # The batched/folded paths' stacked weights, built once per (device, dtype) as vLLM builds
+        # its context-K/V buffers once after loading (context_kv.build_context_kv_buffers). Shared
+        # by with_window views; dropped whenever the weights may change (see refresh_context_kv_buffers).
+        self.context_kv_buffers: dict = {}
+        self.register_load_state_dict_post_hook(lambda module, incompatible: module.refresh_context_kv_buffers())
         self.reset_parameters()
 
     @torch.no_grad()
@@ -175,6 +271,26 @@ class DFlashLagunaDrafter(nn.Module):
                     nn.init.zeros_(m.bias)
             elif isinstance(m, RMSNorm):
                 nn.init.ones_(m.weight)
+        self.refresh_context_kv_buffers()
+
+    # --- the stacked context-K/V weights: when they are rebuilt ----------------------
+    def refresh_context_kv_buffers(self) -> None:
+        """Drop the stacked/folded weights; the next batched or folded call rebuilds them.
+
+        Runs by itself after ``load_state_dict``, ``reset_parameters``, ``.to(...)`` and
+        ``train()`` (an optimizer is about to change the weights). Call it after editing
+        weights in place yourself (``with torch.no_grad(): w.mul_(2)``).
+        """
+        self.context_kv_buffers.clear()
+
+    def train(self, mode: bool = True):
+        if mode:
+            self.refresh_context_kv_buffers()
+        return super().train(mode)
+
+    def _apply(self, fn, *args, **kwargs):
+        self.refresh_context_kv_buffers()
+        return super()._apply(fn, *args, **kwargs)
 
     # --- naming --------------------------------------------------------------
     @property
@@ -187,7 +303,7 @@ class DFlashLagunaDrafter(nn.Module):
         return [f"model.layers.{self.target_layer_count + j}.self_attn.attn" for j in range(len(self.layers))]
 
     # --- step 1: target features -> drafter context ---------------------------
-    def combine_hidden_states(self, aux: torch.Tensor) -> torch.Tensor:
+    def combine_hidden_states(self, aux: torch.Tensor, ops=TorchOps) -> torch.Tensor:
         """(N, n_aux * H_t) aux hidden states -> (N, H) drafter context."""
         n_aux, ht = len(self.aux_hidden_norms), self.config.target_hidden_size
         if aux.shape[-1] != n_aux * ht:
@@ -196,8 +312,8 @@ class DFlashLagunaDrafter(nn.Module):
                 f"hidden {ht} = {n_aux * ht}"
             )
         slices = aux.unflatten(-1, (n_aux, ht))  # (..., n_aux, H_t)
-        normed = torch.stack([norm(slices[..., i, :]) for i, norm in enumerate(self.aux_hidden_norms)], dim=-2)
-        return self.hidden_norm(self.fc(normed.flatten(-2)))
+        normed = torch.stack([ops.norm(norm, slices[..., i, :]) for i, norm in enumerate(self.aux_hidden_norms)], dim=-2)
+        return ops.norm(self.hidden_norm, self.fc(normed.flatten(-2)))
 
     # --- step 2: context K/V (the three paths live in context_kv.py) ------------
     def precompute_context_kv(self, context: torch.Tensor, positions: torch.Tensor, path: str = "folded", *,
@@ -207,7 +323,7 @@ class DFlashLagunaDrafter(nn.Module):
         context: (N, H); positions: (N,). Returns K, V each (L, N, nkv, hd).
         path: one of context_kv.CONTEXT_KV_PATHS ("reference", "batched", "folded").
         fused (folded path only): None = the fused Triton kernel where it can run
-        (CUDA, see dflash_lab.kernels), False = torch ops, True = insist on it.
+        (CUDA, see spec_decode.fast.context_kv_kernel), False = torch ops, True = insist on it.
         """
         if context.dim() != 2 or context.shape[-1] != self.config.hidden_size:
             raise ValueError(f"context must be (N, {self.config.hidden_size}), got {tuple(context.shape)}")
@@ -215,54 +331,47 @@ class DFlashLagunaDrafter(nn.Module):
             raise ValueError(f"positions must be ({context.shape[0]},), got {tuple(positions.shape)}")
         return compute_context_kv(self, context, positions, path, fused=fused)
 
-    def rope_tables(self, positions: torch.Tensor, dtype: torch.dtype):
-        return rope_cos_sin(positions, self.config.rotary_dim, float(self.config.rope.get("rope_theta", 10000.0)), dtype)
-
     # --- step 3: one block through the drafter ----------------------------------
-    def forward(self, noise_embeds: torch.Tensor, positions: torch.Tensor, context_k: torch.Tensor,
-                context_v: torch.Tensor, context_positions: torch.Tensor, *, block_size: int | None = None,
-                window: int | None | str = "config", causal: bool | str = "config",
-                mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, noise_embeds: torch.Tensor, positions: torch.Tensor, context_k: torch.Tensor | None = None,
+                context_v: torch.Tensor | None = None, context_positions: torch.Tensor | None = None, *,
+                kv: ConcatKV | SlotKV | None = None, block_size: int | None = None,
+                mask: torch.Tensor | None = None, ops=TorchOps) -> torch.Tensor:
         """Draft hidden states for one or more blocks.
 
         noise_embeds: (B, Q, H) target embeddings of [x_t, mask, mask, ...] per block
         positions:    (B, Q) absolute positions of the block tokens
-        context_k/v:  (L, N, nkv, hd) or (L, B, N, nkv, hd) from precompute_context_kv
-        context_positions: (N,) or (B, N)
+        context_k/v:  (L, N, nkv, hd) or (L, B, N, nkv, hd) from precompute_context_kv, at
+                      context_positions (N,) or (B, N) — or instead ``kv``, a K/V store
+                      (``ConcatKV`` or ``SlotKV``)
         block_size:   tokens per block (default: Q, one block)
-        window:       sliding window override (None = full); default from the config
-        causal:       causal inside the block; default vLLM's rule on the config (sliding layers
-                      causal unless `is_causal` / `dflash_config.causal` say otherwise)
+        mask:         (B, Q, keys) bool, default ``kv.mask`` with vLLM's causality and ``self.window``
+        ops:          how norms run (``layers.TorchOps``; the fast path passes one-kernel versions)
         Returns (B, Q, H), after the final norm; feed to the target's lm_head.
         """
-        B, Q, _ = noise_embeds.shape
-        if context_k.dim() == 4:
-            context_k, context_v = context_k.unsqueeze(1).expand(-1, B, -1, -1, -1), context_v.unsqueeze(1).expand(-1, B, -1, -1, -1)
-        if context_k.shape[0] != len(self.layers):
-            raise ValueError(f"context K/V hold {context_k.shape[0]} layers, the drafter has {len(self.layers)}")
-        window = self.config.window if window == "config" else window
-        causal = self.config.is_causal if causal == "config" else causal
+        if kv is None:
+            kv = ConcatKV(context_k, context_v, context_positions)
+        if kv.k.shape[0] != len(self.layers):
+            raise ValueError(f"context K/V hold {kv.k.shape[0]} layers, the drafter has {len(self.layers)}")
         if mask is None:
-            mask = dflash_attention_mask(positions, context_positions.to(positions.device), block_size or Q, window,
-                                         causal=causal)
-        cos, sin = self.rope_tables(positions, noise_embeds.dtype)
+            mask = kv.mask(positions, block_size or positions.shape[1], causal=self.config.is_causal, window=self.window)
+        cos, sin = rope_tables(self.config, positions, noise_embeds.dtype)
         h = noise_embeds
-        for layer, ck, cv in zip(self.layers, context_k, context_v):
-            h = layer(h, cos, sin, ck, cv, mask)
-        return self.norm(h)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos, sin, kv.layer(i, positions), mask, ops)
+        return ops.norm(self.norm, h)
 
 
 def with_window(drafter: DFlashLagunaDrafter, window: int | None) -> DFlashLagunaDrafter:
-    """The same weights, whose forward always uses ``window`` (None: no window).
+    """The same weights, drafting with attention window ``window`` (None: no window).
 
-    The window is a compute-time limit only (the context K/V store stays full),
-    so it can be changed at inference time: ``speculative_generate(target,
-    with_window(drafter, 64), ...)``. Only the window changes: causality and RoPE stay
-    those of the config. (In vLLM, making a layer sliding also makes it causal and gives
-    it the sliding RoPE entry; this view is a lab experiment, not a config vLLM serves.)
+    The window is a compute-time limit only (the context K/V store stays full), so it can
+    be changed at inference time: ``speculative_generate(target, with_window(drafter, 64),
+    ...)``; every backend reads ``drafter.window``. Only the window changes: causality and
+    RoPE stay those of the config. (In vLLM, making a layer sliding also makes it causal and
+    gives it the sliding RoPE entry; this view is a lab experiment, not a config vLLM serves.)
     """
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise ValueError(f"window must be a positive integer or None, got {window!r}")
-    view = copy.copy(drafter)  # a new module object over the same submodules and parameters
-    view.forward = functools.partial(DFlashLagunaDrafter.forward, view, window=window)
+    view = copy.copy(drafter)  # a new module object over the same submodules, parameters and buffers
+    view.window = window
     return view

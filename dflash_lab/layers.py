@@ -1,13 +1,15 @@
-"""Small building blocks of Laguna's layers: RMSNorm and partial neox-style RoPE.
+"""Small building blocks of Laguna's layers: RMSNorm, partial neox-style RoPE, GQA attention.
 
-The drafter (``drafter.py``), the context-K/V paths (``context_kv.py``) and the
-fused kernel (``spec_decode/fast/context_kv_kernel.py``) all normalise and rotate the same way; this is the
-one definition they share.
+The drafter (``drafter.py``), the context-K/V paths (``context_kv.py``), the static
+target (``spec_decode/fast/static_target.py``) and the fused kernel
+(``spec_decode/fast/context_kv_kernel.py``) all normalise, rotate and attend the same
+way; this is the one definition they share.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -56,3 +58,40 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over heads
     rotated = x_rot * cos + torch.cat((-x2, x1), dim=-1) * sin
     return torch.cat((rotated, x_pass), dim=-1)
+
+
+def rope_tables(config, positions: torch.Tensor, dtype: torch.dtype):
+    """cos/sin of a drafter config's RoPE (its layer type's entry: rotary dim and theta) at ``positions``."""
+    return rope_cos_sin(positions, config.rotary_dim, float(config.rope.get("rope_theta", 10000.0)), dtype)
+
+
+class TorchOps:
+    """How a forward runs its norms: the modules themselves. The fast path passes one-kernel
+    versions with the same two functions (``spec_decode.fast.triton_ops``) in its place."""
+
+    @staticmethod
+    def norm(module, x: torch.Tensor) -> torch.Tensor:
+        return module(x)
+
+    @staticmethod
+    def norm_rope(module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, head_dim: int):
+        """A per-head norm then RoPE: x (..., heads * head_dim) -> (..., heads, head_dim)."""
+        return apply_rope(module(x.unflatten(-1, (heads, head_dim))), cos, sin)
+
+
+def gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention of q (B, Q, H, hd) over k/v (B, nkv, S, hd) -> (B, Q, H*hd).
+
+    mask (B, Q, S): bool (True = visible) or additive (0 / -inf); every row sees a key.
+    The g = H / nkv query heads that share a KV head are folded into the query axis,
+    (B, nkv, g*Q, hd), so SDPA's fused kernels run on the KV heads as they are (no repeat
+    of K/V, no enable_gqa fallback to the math kernel).
+    """
+    B, Q, H, hd = q.shape
+    nkv = k.shape[1]
+    g = H // nkv
+    qg = q.view(B, Q, nkv, g, hd).permute(0, 2, 3, 1, 4).reshape(B, nkv, g * Q, hd)  # head h = kv h//g, member h%g
+    S = mask.shape[-1]
+    m = mask[:, None, None].expand(B, 1, g, Q, S).reshape(B, 1, g * Q, S)
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=m, scale=scale)  # (B, nkv, g*Q, hd)
+    return out.view(B, nkv, g, Q, hd).permute(0, 3, 1, 2, 4).reshape(B, Q, H * hd)

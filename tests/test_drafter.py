@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dflash_lab.context_kv import CONTEXT_KV_PATHS, context_kv_agreement, context_kv_tolerance
-from dflash_lab.drafter import dflash_attention_mask
+from dflash_lab.drafter import SlotKV, dflash_attention_mask, with_window
 
 FAST_PATHS = [p for p in CONTEXT_KV_PATHS if p != "reference"]
 LAYER_FLAVOURS = [  # (layer type, its partial rotary factor in Laguna's defaults)
@@ -75,18 +75,43 @@ def test_context_k_has_unit_rms_before_its_norm_weight(make_drafter):
     torch.testing.assert_close(k.pow(2).mean(-1), torch.ones(k.shape[:-1]), atol=1e-4, rtol=0)
 
 
-def test_fast_paths_follow_weight_updates(make_drafter):
-    # The stacked/folded buffers are built once; an in-place weight update must rebuild them.
-    drafter = make_drafter(2)
-    states, positions = context(9)
-    drafter.precompute_context_kv(states, positions, path="folded")
+def edit_weights_in_place(drafter):
     with torch.no_grad():
         drafter.layers[1].input_layernorm.weight.mul_(2.0)
         drafter.layers[0].self_attn.qkv_proj.weight.add_(0.01)
+
+
+@pytest.mark.parametrize("how", ["load_state_dict", "train", "to", "refresh"])
+def test_fast_paths_follow_weight_updates(make_drafter, how):
+    # The stacked/folded buffers are built once (as vLLM builds them after loading) and dropped
+    # whenever the weights may change: a new state dict, train mode, a move, or by hand.
+    drafter = make_drafter(2)
+    states, positions = context(9)
+    drafter.precompute_context_kv(states, positions, path="folded")
+    if how == "load_state_dict":
+        other = make_drafter(2, seed=7)
+        drafter.load_state_dict(other.state_dict())
+    else:
+        edit_weights_in_place(drafter)
+        {"train": lambda: drafter.train(), "to": lambda: drafter.to(torch.float32),
+         "refresh": drafter.refresh_context_kv_buffers}[how]()
     ref = drafter.precompute_context_kv(states, positions, path="reference")
     for path in FAST_PATHS:
         agreement = context_kv_agreement(drafter.precompute_context_kv(states, positions, path=path), ref)
-        assert agreement["max_err"] <= 1e-5, (path, agreement["max_err"])
+        assert agreement["max_err"] <= 1e-5, (how, path, agreement["max_err"])
+
+
+def test_an_in_place_edit_needs_a_refresh_as_in_vllm(make_drafter):
+    # vLLM builds its stacked buffers once after loading; so does the lab. Editing weights in
+    # place under no_grad and NOT refreshing leaves the fast paths on the old weights.
+    drafter = make_drafter(2).eval()
+    states, positions = context(9)
+    before = drafter.precompute_context_kv(states, positions, path="folded")
+    edit_weights_in_place(drafter)
+    stale = drafter.precompute_context_kv(states, positions, path="folded")
+    assert torch.equal(stale[0], before[0])
+    drafter.refresh_context_kv_buffers()
+    assert not torch.allclose(drafter.precompute_context_kv(states, positions, path="folded")[0], before[0])
 
 
 def test_agreement_reports_the_worse_of_k_and_v_and_applies_the_tolerance():
@@ -185,9 +210,25 @@ def draft_block(drafter, ctx_len=12, block_size=4, *, seed=2, block_start=None):
     return block, positions, k, v, cpos
 
 
-def run(drafter, block, positions, k, v, cpos, **kw):
+def run(drafter, block, positions, k, v, cpos, store="concat"):
+    """One block through the drafter, its context K/V held by either K/V store.
+
+    "concat": beside the block (eager loop, training); "slots": written at slot == position of
+    a preallocated buffer larger than needed, stale slots past the context filled with noise
+    (the static/graphed path). Both must give the same hidden states.
+    """
     with torch.no_grad():
-        return drafter(block, positions, k, v, cpos, **kw)
+        if store == "concat":
+            return drafter(block, positions, k, v, cpos)
+        L, N, nkv, hd = k.shape
+        S = int(positions.max()) + 9
+        buffers = [torch.full((L, 1, S, nkv, hd), 1e3), torch.full((L, 1, S, nkv, hd), -1e3)]  # never seen
+        slots = SlotKV(*buffers)
+        slots.write(cpos[None], k[:, None], v[:, None])
+        return drafter(block, positions, kv=slots)
+
+
+STORES = ["concat", "slots"]
 
 
 CAUSALITY_CASES = [  # (layer type, config override, causal inside the block?) â€” vLLM's _dflash_layer_causal
@@ -201,19 +242,23 @@ CAUSALITY_CASES = [  # (layer type, config override, causal inside the block?) â
 ]
 
 
+@pytest.mark.parametrize("store", STORES)
 @pytest.mark.parametrize("gating", GATINGS)
 @pytest.mark.parametrize("layer_type,override,causal", CAUSALITY_CASES)
-def test_block_query_sees_later_block_tokens_only_when_non_causal(make_drafter, layer_type, override, causal, gating):
+def test_block_query_sees_later_block_tokens_only_when_non_causal(make_drafter, layer_type, override, causal, gating,
+                                                                  store):
     """A causal drafter's block query i does not change when block tokens after i change."""
     drafter = make_drafter(2, layer_type, gating, sliding_window=64, **override)
     assert drafter.config.is_causal is causal
     block, positions, k, v, cpos = draft_block(drafter)
-    out = run(drafter, block, positions, k, v, cpos)
+    out = run(drafter, block, positions, k, v, cpos, store)
     assert out.shape == block.shape
+    if store == "slots":
+        torch.testing.assert_close(out, run(drafter, block, positions, k, v, cpos), atol=1e-5, rtol=1e-5)
     for j in range(1, block.shape[1]):
         changed = block.clone()
         changed[0, j] += 1.0  # block token j
-        delta = (run(drafter, changed, positions, k, v, cpos) - out).abs().amax(-1)[0]  # (Q,)
+        delta = (run(drafter, changed, positions, k, v, cpos, store) - out).abs().amax(-1)[0]  # (Q,)
         assert (delta[j:] > 1e-4).all(), "a changed token must reach its own and later positions"
         if causal:
             assert (delta[:j] == 0).all(), f"causal: queries before {j} must not see token {j}"
@@ -221,37 +266,40 @@ def test_block_query_sees_later_block_tokens_only_when_non_causal(make_drafter, 
             assert (delta[:j] > 1e-4).all(), f"non-causal: every query sees token {j}"
 
 
-def test_context_at_or_after_the_block_start_is_never_seen(make_drafter):
+@pytest.mark.parametrize("store", STORES)
+def test_context_at_or_after_the_block_start_is_never_seen(make_drafter, store):
     drafter = make_drafter(2, "full_attention")
     # The K/V store holds positions 0..15, the block starts at 12: 12..15 are the
     # block's own positions and must come from the block, never from the store.
     block, positions, k, v, cpos = draft_block(drafter, ctx_len=16, block_start=12)
-    out = run(drafter, block, positions, k, v, cpos)
+    out = run(drafter, block, positions, k, v, cpos, store)
     k2, v2 = k.clone(), v.clone()
     k2[:, 12:] = 50.0
     v2[:, 12:] = -50.0
-    torch.testing.assert_close(run(drafter, block, positions, k2, v2, cpos), out, atol=0, rtol=0)
+    torch.testing.assert_close(run(drafter, block, positions, k2, v2, cpos, store), out, atol=0, rtol=0)
     k2[:, 11] += 1.0  # control: the last context position before the block IS seen
-    assert (run(drafter, block, positions, k2, v2, cpos) - out).abs().max() > 1e-4
+    assert (run(drafter, block, positions, k2, v2, cpos, store) - out).abs().max() > 1e-4
 
 
-def test_sliding_window_hides_context_outside_the_window(make_drafter):
+@pytest.mark.parametrize("store", STORES)
+def test_sliding_window_hides_context_outside_the_window(make_drafter, store):
     window = 8
     drafter = make_drafter(2, "sliding_attention", sliding_window=window)
     block, positions, k, v, cpos = draft_block(drafter, ctx_len=20)  # block at 20..23
-    out = run(drafter, block, positions, k, v, cpos)
+    out = run(drafter, block, positions, k, v, cpos, store)
     # The first query (position 20) sees context 13..19; later queries see less.
     outside, inside = 20 - window, 20 - window + 1
     k2, v2 = k.clone(), v.clone()
     k2[:, : outside + 1] += 3.0
     v2[:, : outside + 1] -= 3.0
-    torch.testing.assert_close(run(drafter, block, positions, k2, v2, cpos), out, atol=0, rtol=0)
+    torch.testing.assert_close(run(drafter, block, positions, k2, v2, cpos, store), out, atol=0, rtol=0)
     k3 = k.clone()
     k3[:, inside] += 3.0
-    assert (run(drafter, block, positions, k3, v, cpos) - out).abs().max() > 1e-4
+    assert (run(drafter, block, positions, k3, v, cpos, store) - out).abs().max() > 1e-4
     # The same change outside the window is seen once the window is lifted.
-    full = run(drafter, block, positions, k, v, cpos, window=None)
-    assert (run(drafter, block, positions, k2, v2, cpos, window=None) - full).abs().max() > 1e-4
+    unwindowed = with_window(drafter, None)
+    full = run(unwindowed, block, positions, k, v, cpos, store)
+    assert (run(unwindowed, block, positions, k2, v2, cpos, store) - full).abs().max() > 1e-4
 
 
 def test_attention_mask_layout():

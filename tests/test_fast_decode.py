@@ -182,7 +182,7 @@ TRITON_SCRIPT = textwrap.dedent("""
         x = proj[..., 8:8 + 4 * hd]
         cos, sin = rope_cos_sin(torch.randint(0, 3000, (2, 5)), rd, 10000.0, torch.float32)
         ref = apply_rope(m(x.unflatten(-1, (4, hd))), cos, sin)
-        errs.append((triton_ops.norm_rope(m, x, cos, sin, 4, hd, apply_rope) - ref).abs().max().item())
+        errs.append((triton_ops.norm_rope(m, x, cos, sin, 4, hd) - ref).abs().max().item())
     print(json.dumps({"enabled": triton_ops.enabled(x), "errs": errs}))
 """)
 

@@ -217,7 +217,7 @@ def test_switching_the_kernel_off_on_cuda_uses_torch(make_drafter, monkeypatch):
 
 
 def test_with_window_is_the_same_drafter_with_its_attention_cut(make_drafter):
-    from dflash_lab.drafter import with_window
+    from dflash_lab.drafter import dflash_attention_mask, with_window
 
     drafter = make_drafter(2)
     states, positions = context(12)
@@ -228,11 +228,13 @@ def test_with_window_is_the_same_drafter_with_its_attention_cut(make_drafter):
     windowed = with_window(drafter, 3)
     assert windowed.layers is drafter.layers  # shared weights, nothing copied
     assert isinstance(windowed, type(drafter))
+    assert (windowed.window, drafter.window) == (3, drafter.config.window)  # a field; the original keeps its own
     cut = windowed(block, block_pos, k, v, positions)
-    assert torch.equal(cut, drafter(block, block_pos, k, v, positions, window=3))
-    assert not torch.allclose(cut, drafter(block, block_pos, k, v, positions, window=None))
-    assert torch.equal(with_window(drafter, None)(block, block_pos, k, v, positions),
-                       drafter(block, block_pos, k, v, positions, window=None))
+    by_mask = dflash_attention_mask(block_pos, positions, 4, 3, causal=drafter.config.is_causal)
+    assert torch.equal(cut, drafter(block, block_pos, k, v, positions, mask=by_mask))
+    assert not torch.allclose(cut, drafter(block, block_pos, k, v, positions))
+    assert torch.equal(with_window(windowed, None)(block, block_pos, k, v, positions),
+                       drafter(block, block_pos, k, v, positions))
     for bad in (0, -2, 2.5, True):
         with pytest.raises(ValueError, match="window must be a positive integer or None"):
             with_window(drafter, bad)

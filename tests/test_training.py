@@ -13,6 +13,7 @@ from dflash_lab.assets import HELDOUT_PROMPTS, DEFAULT_TARGET, heldout_prompts
 from dflash_lab.config import DFlashDrafterConfig
 from dflash_lab.drafter import DFlashLagunaDrafter
 from dflash_lab.runtime import load_tokenizer
+from dflash_lab.spec_decode import SpecDecodeStats
 from dflash_lab.target import build_target, target_forward, tiny_laguna_config
 
 VOCAB = 256
@@ -341,7 +342,11 @@ def test_the_probe_counts_what_the_evaluation_counts():
     ev = train.evaluate_acceptance(target, drafter, Tok(), [{"text": str(i)} for i in range(3)], block_sizes=(4,),
                                    max_new_tokens=10)[4]
     stats = probe(drafter)
-    assert stats.num_drafts == ev["num_drafts"] and stats.num_accepted_tokens_per_pos == ev["num_accepted_tokens_per_pos"]
+    assert stats.num_drafts == ev.stats.num_drafts
+    assert stats.num_accepted_tokens_per_pos == ev.stats.num_accepted_tokens_per_pos
+    back = SpecDecodeStats.from_dict(ev.record())  # what a training log holds reads back as the same counters
+    assert (back.num_drafts, back.num_draft_tokens, back.num_accepted_tokens, back.num_accepted_tokens_per_pos) == \
+        (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens, stats.num_accepted_tokens_per_pos)
 
 
 @pytest.mark.slow

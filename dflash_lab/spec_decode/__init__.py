@@ -27,9 +27,10 @@ import importlib
 _EXPORTS = {
     # the fast backend
     "FastDecoder": "fast.decoder", "fast_generate": "fast.decoder", "fast_generate_batch": "fast.decoder",
+    "cached_decoder": "fast.decoder", "clear_decoder_cache": "fast.decoder",
     # proposers
     "DFlashContext": "proposers", "dflash_draft_logits": "proposers", "prompt_lookup": "proposers",
-    "PromptLookupDrafter": "proposers",
+    "PromptLookupDrafter": "proposers", "NoDrafter": "proposers",
     # sampling
     "DRAFT_SAMPLE_METHODS": "sampling", "logits_to_probs": "sampling", "sample": "sampling",
     "greedy_accept": "sampling", "greedy_accept_batch": "sampling", "rejection_sample": "sampling",

@@ -34,7 +34,7 @@ from transformers import DynamicCache
 from ..drafter import DFlashLagunaDrafter
 from ..runtime import synchronized_time
 from ..target import target_forward
-from .proposers import DFlashContext, PromptLookupDrafter, dflash_draft_logits
+from .proposers import DFlashContext, NoDrafter, PromptLookupDrafter, dflash_draft_logits
 from .sampling import DRAFT_SAMPLE_METHODS, greedy_accept, logits_to_probs, rejection_sample, sample
 from .stats import SpecDecodeStats
 
@@ -148,7 +148,7 @@ def check_generation_args(target, drafter, input_ids, *, max_new_tokens, block_s
     elif callable(getattr(drafter, "propose", None)):
         max_block = getattr(drafter, "max_block_size", None)
     else:
-        raise TypeError(f"drafter must be a DFlashLagunaDrafter, 'ngram' or a proposer with "
+        raise TypeError(f"drafter must be a DFlashLagunaDrafter, 'ngram', None or a proposer with "
                         f"propose(tokens, num_draft), got {type(drafter).__name__}")
 
     # block_size
@@ -258,7 +258,8 @@ def speculative_generate(target, drafter, input_ids, *, max_new_tokens: int, blo
 
     target: a ``LagunaForCausalLM``; its KV cache, embedding table and lm_head are used.
     drafter: a ``DFlashLagunaDrafter``, ``"ngram"`` (prompt lookup, see
-        ``PromptLookupDrafter``) or any object with ``propose(tokens, num_draft)``.
+        ``PromptLookupDrafter``), None (no drafter: plain decoding through the same loop)
+        or any object with ``propose(tokens, num_draft)``.
     input_ids: one prompt, (1, T) or (T,).
     block_size: tokens per block, 1 real + (block_size - 1) drafts; default the
         drafter's config.block_size.
@@ -274,9 +275,11 @@ def speculative_generate(target, drafter, input_ids, *, max_new_tokens: int, blo
     Generation also ends when the sequence reaches the target's
     max_position_embeddings.
     """
-    if isinstance(drafter, str):
+    if drafter is None:
+        drafter = NoDrafter()
+    elif isinstance(drafter, str):
         if drafter != "ngram":
-            raise ValueError(f"drafter must be a DFlashLagunaDrafter, 'ngram' or a proposer, got {drafter!r}")
+            raise ValueError(f"drafter must be a DFlashLagunaDrafter, 'ngram', None or a proposer, got {drafter!r}")
         drafter = PromptLookupDrafter()
     prompt, block_size, stop = check_generation_args(
         target, drafter, input_ids, max_new_tokens=max_new_tokens, block_size=block_size, temperature=temperature,

@@ -5,6 +5,8 @@
                    the target's lm_head turns its hidden states into B-1 drafts
     prompt lookup  no model: copy what followed an earlier occurrence of the
                    sequence's last n-gram (vLLM's ``ngram`` method)
+    no drafter     ``drafter=None`` everywhere: nothing is proposed, so the loop is plain
+                   greedy decoding with the same overheads (``NoDrafter`` stands in the loop)
 
 The loop (``loop.py``) verifies and accepts both the same way. (vLLM:
 ``v1/spec_decode/dflash.py`` and ``v1/spec_decode/ngram_proposer.py``.)
@@ -117,3 +119,14 @@ class PromptLookupDrafter:
 
     def propose(self, tokens: list[int], num_draft: int) -> list[int]:
         return prompt_lookup(tokens, num_draft, self.prompt_lookup_min, self.prompt_lookup_max)
+
+
+class NoDrafter:
+    """What ``drafter=None`` becomes inside the eager loop: proposes nothing, so every step
+    verifies x_t alone (plain decoding through the same loop, the fair baseline)."""
+
+    block_size = 2  # 1 real token + room for a draft that never comes
+    max_block_size = None
+
+    def propose(self, tokens: list[int], num_draft: int) -> list[int]:
+        return []

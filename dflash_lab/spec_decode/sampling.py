@@ -59,16 +59,28 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> tor
 # ---------------------------------------------------------------------------
 
 
-def greedy_accept(draft_ids: torch.Tensor, target_ids: torch.Tensor) -> tuple[int, int]:
-    """Keep the longest prefix of the draft that the target's argmax agrees with.
+def greedy_accept_batch(draft_ids: torch.Tensor, target_ids: torch.Tensor,
+                        num_draft: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy verification of b drafts at once: keep the longest prefix the target's argmax agrees with.
 
-    draft_ids (K,): d_1 .. d_K.  target_ids (K+1,): the target's argmax after
-    x_t, d_1, .., d_K. Returns (number of drafts kept n, the target's token after
-    them): target_ids[n] is the correction if n < K, else the bonus token.
+    draft_ids (b, K): d_1 .. d_K per row. target_ids (b, K+1): the target's argmax after
+    x_t, d_1, .., d_K. num_draft (b,), optional: row i proposed only its first num_draft[i]
+    drafts (prompt lookup may find fewer; the rest is padding). Returns the number of
+    drafts kept n (b,) and the target's token after them, target_ids[i, n_i] (b,): the
+    correction if n_i < K, else the bonus token. Runs on the device, no host sync.
     """
-    kept = (draft_ids == target_ids[:-1]).int().cumprod(0)  # 1 up to the first mismatch
-    n = int(kept.sum())
-    return n, int(target_ids[n])
+    K = draft_ids.shape[1]
+    agree = draft_ids == target_ids[:, :K]  # (b, K)
+    if num_draft is not None:
+        agree &= torch.arange(K, device=draft_ids.device) < num_draft[:, None]
+    n = agree.long().cumprod(dim=1).sum(dim=1)  # 1 up to the first mismatch, summed
+    return n, target_ids.gather(1, n[:, None])[:, 0]
+
+
+def greedy_accept(draft_ids: torch.Tensor, target_ids: torch.Tensor) -> tuple[int, int]:
+    """``greedy_accept_batch`` for one sequence: draft_ids (K,), target_ids (K+1,) -> (n, next token)."""
+    n, nxt = greedy_accept_batch(draft_ids[None], target_ids[None])
+    return int(n[0]), int(nxt[0])
 
 
 def rejection_sample(draft_ids: torch.Tensor, draft_probs: torch.Tensor | None, target_probs: torch.Tensor,

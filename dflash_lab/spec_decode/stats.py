@@ -51,6 +51,18 @@ class SpecDecodeStats:
             self.num_accepted_tokens_per_pos[i] += 1
         self.acceptance_lengths.append(1 + num_accepted_tokens)
 
+    def observe_drafts(self, num_draft_tokens, num_accepted_tokens) -> None:
+        """``observe_draft`` for each pair of two equal-length sequences (lists or 1-D tensors), in order.
+
+        How a backend that logs its drafts on the device (``fast.decoder``) hands them over.
+        """
+        drafted = num_draft_tokens.tolist() if hasattr(num_draft_tokens, "tolist") else list(num_draft_tokens)
+        accepted = num_accepted_tokens.tolist() if hasattr(num_accepted_tokens, "tolist") else list(num_accepted_tokens)
+        if len(drafted) != len(accepted):
+            raise ValueError(f"{len(drafted)} draft sizes but {len(accepted)} accepted counts")
+        for k, n in zip(drafted, accepted):
+            self.observe_draft(k, n)
+
     # --- what vLLM logs ------------------------------------------------------
     @property
     def num_speculative_tokens(self) -> int:

@@ -38,14 +38,6 @@ from .bench_xs2 import layer_read_floor_ms, project_graphed, xs2_graphed_times
 # ---------------------------------------------------------------------------
 
 
-class NoDraft:
-    """A proposer that proposes nothing: speculative_generate becomes plain greedy decoding
-    through the same loop (same cache handling, same overheads)."""
-
-    def propose(self, tokens, num_draft):
-        return []
-
-
 def held_out(tokenizer, n: int, max_tokens: int, device) -> list[torch.Tensor]:
     """The first n held-out prompts, each cut to its last max_tokens tokens, (1, T) each."""
     return [tokenizer(p["text"], return_tensors="pt")["input_ids"][:, -max_tokens:].to(device)
@@ -59,9 +51,9 @@ def measure_eager_loop(target, drafter, prompts, *, device, max_new_tokens: int,
 
     on_row(rows), if given, runs after each method (partial results survive a timeout).
     """
-    runs = [("target_only", NoDraft(), 2)] + [(f"dflash_b{b}", drafter, b) for b in block_sizes] + \
+    runs = [("target_only", None, 2)] + [(f"dflash_b{b}", drafter, b) for b in block_sizes] + \
            [(f"prompt_lookup_b{b}", "ngram", b) for b in block_sizes]
-    for proposer, block in ((NoDraft(), 2), (drafter, max(block_sizes)), ("ngram", max(block_sizes))):
+    for proposer, block in ((None, 2), (drafter, max(block_sizes)), ("ngram", max(block_sizes))):
         speculative_generate(target, proposer, prompts[0], max_new_tokens=max_new_tokens, block_size=block)  # warm-up
     reference_outputs, rows = None, []
     for name, proposer, block in runs:

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache, LagunaConfig, LagunaForCausalLM
 
+from ..drafter import with_window
 from ..spec_decode import crop_cache
 from ..spec_decode.fast.static_drafter import StaticDrafter
 from ..spec_decode.fast.static_target import StaticTarget
@@ -120,6 +121,7 @@ def xs2_drafter_times(*, device, block_sizes, context: int, layers: int, accepte
     aux = torch.randn(n_new, n_aux * cfg.hidden_size, device=device, dtype=dtype)
     new_pos = torch.arange(context - n_new, context, device=device)
     out = {"layers": layers, "context": context, "new_context_tokens_per_step": n_new, "per_block": {}}
+    unwindowed = with_window(drafter, None)
     with torch.no_grad():
         k, v = drafter.precompute_context_kv(ctx, ctx_pos)
         for B in block_sizes:
@@ -128,7 +130,7 @@ def xs2_drafter_times(*, device, block_sizes, context: int, layers: int, accepte
 
             def step():
                 drafter.precompute_context_kv(drafter.combine_hidden_states(aux), new_pos)  # the step's new context
-                h = drafter(embeds, pos, k, v, ctx_pos, window=None)
+                h = unwindowed(embeds, pos, k, v, ctx_pos)
                 return lm_head(h[0, 1:]).argmax(-1)
 
             wall = time_ms(step, device, warmup=3, reps=20)

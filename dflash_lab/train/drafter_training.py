@@ -279,7 +279,7 @@ def run_drafter(args) -> None:
         del data
         t, d = load_pair_for_eval(args.target, args.out, device)
         evs = evaluate_acceptance(t, d, tokenizer, prompts[: args.eval_prompts], block_sizes=blocks)
-        log["final"] = {**{f"block_{bs}": ev for bs, ev in evs.items()}, "eval_device": str(device)}
+        log["final"] = {**{f"block_{bs}": ev.record() for bs, ev in evs.items()}, "eval_device": str(device)}
         for ev in evs.values():
             print_acceptance(ev)
     log["wall_seconds"] = clock.elapsed()

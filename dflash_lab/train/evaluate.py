@@ -5,13 +5,15 @@ continuation g exactly, and the drafter's context at a block starting at p is
 the target's features of g[:p], whatever path led there. So one target pass
 over prompt + g and one drafter pass with a block at EVERY position p give
 every draft the decoder could ever make; replaying the accept/bonus walk over
-them, counted by the decoder's own ``SpecDecodeStats.observe_draft``, gives the
-decoder's counters exactly (up to arithmetic-order ties).
+them with the decoder's own accept rule (``sampling.greedy_accept``), counted by its
+own ``SpecDecodeStats.observe_draft``, gives the decoder's counters exactly (up to
+arithmetic-order ties).
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -20,7 +22,8 @@ from tqdm.auto import tqdm
 from .. import corpus
 from ..checkpoint import load_drafter
 from ..runtime import load_tokenizer, resolve_device
-from ..spec_decode import SpecDecodeStats
+from ..spec_decode.sampling import greedy_accept
+from ..spec_decode.stats import SpecDecodeStats
 from ..target import load_target, target_forward
 from .common import LOG_NAME, Clock, freeze, greedy_generate, write_log
 from .objective import draft_logits_for
@@ -52,21 +55,47 @@ def replay_greedy_decoding(greedy: torch.Tensor, drafts: torch.Tensor, prompt_le
     k = drafts.shape[1]
     p = prompt_len  # the prefill produced token prompt_len; the first block starts there
     while p - prompt_len + 1 < max_new_tokens:
-        truth = greedy[p + 1: p + 1 + k]
-        accepted = int((drafts[p - prompt_len] == truth).long().cumprod(0).sum())
+        accepted, _ = greedy_accept(drafts[p - prompt_len], greedy[p + 1: p + 2 + k])  # the target's argmax after p
         stats.observe_draft(k, accepted)
         p += accepted + 1  # the accepted tokens, then the target's bonus token
     return stats
 
 
-def evaluate_acceptance(target, drafter, tokenizer, prompts: list[dict], *, block_sizes=(16,),
-                        max_new_tokens: int = 64, show_progress: bool = False) -> dict[int, dict]:
-    """Mean acceptance length and per-position rates of greedy DFlash decoding on held-out prompts.
+@dataclass
+class AcceptanceEval:
+    """What ``evaluate_acceptance`` measured at one block size.
 
-    One entry per block size. Each also holds the teacher-forced per-position
-    rates over EVERY anchor (a smoother estimate that does not depend on where
-    blocks happen to start).
+    stats: the decoder's counters (``SpecDecodeStats``, exactly what ``speculative_generate``
+    would count on these prompts); every_anchor_rate: the teacher-forced per-position rates
+    over EVERY anchor (a smoother estimate that does not depend on where blocks start).
     """
+
+    block_size: int
+    max_new_tokens: int
+    num_prompts: int
+    stats: SpecDecodeStats
+    every_anchor_rate: list[float]
+
+    @property
+    def every_anchor_mean_acceptance_length(self) -> float:
+        return 1 + sum(self.every_anchor_rate)
+
+    def record(self) -> dict:
+        """For a training log: the settings, the counters and their rates (``SpecDecodeStats.from_dict`` reads it back)."""
+        s = self.stats
+        return {"block_size": self.block_size, "max_new_tokens": self.max_new_tokens, "num_prompts": self.num_prompts,
+                "num_drafts": s.num_drafts, "num_draft_tokens": s.num_draft_tokens,
+                "num_accepted_tokens": s.num_accepted_tokens,
+                "num_accepted_tokens_per_pos": list(s.num_accepted_tokens_per_pos),
+                "mean_acceptance_length": s.to_dict()["mean_acceptance_length"],
+                "per_position_acceptance_rate": s.per_position_acceptance_rate,
+                "every_anchor_rate": self.every_anchor_rate,
+                "every_anchor_mean_acceptance_length": self.every_anchor_mean_acceptance_length}
+
+
+def evaluate_acceptance(target, drafter, tokenizer, prompts: list[dict], *, block_sizes=(16,),
+                        max_new_tokens: int = 64, show_progress: bool = False) -> dict[int, AcceptanceEval]:
+    """Acceptance of greedy DFlash decoding on held-out prompts, one ``AcceptanceEval`` per block size."""
     device = next(target.parameters()).device
     longest = max(block_sizes)
     stats = {bs: SpecDecodeStats(num_accepted_tokens_per_pos=[0] * (bs - 1)) for bs in block_sizes}
@@ -81,19 +110,9 @@ def evaluate_acceptance(target, drafter, tokenizer, prompts: list[dict], *, bloc
             replay_greedy_decoding(g, drafts, P, max_new_tokens, stats[bs])
             truth = torch.stack([g[P + a + 1: P + a + 1 + k] for a in range(max_new_tokens)])
             every_anchor[bs] += (drafts == truth).long().cumprod(1).sum(0).double().cpu()
-    out = {}
-    for bs, s in stats.items():
-        nd = max(1, s.num_drafts)  # no drafts at all (max_new_tokens < 2): length 1, rates 0
-        every = (every_anchor[bs] / (max_new_tokens * len(prompts))).tolist()
-        out[bs] = {
-            "block_size": bs, "max_new_tokens": max_new_tokens, "num_prompts": len(prompts),
-            "num_drafts": s.num_drafts, "num_accepted_tokens": s.num_accepted_tokens,
-            "num_accepted_tokens_per_pos": list(s.num_accepted_tokens_per_pos),
-            "mean_acceptance_length": 1 + s.num_accepted_tokens / nd,
-            "per_position_acceptance_rate": [c / nd for c in s.num_accepted_tokens_per_pos],
-            "every_anchor_rate": every, "every_anchor_mean_acceptance_length": 1 + sum(every),
-        }
-    return out
+    return {bs: AcceptanceEval(bs, max_new_tokens, len(prompts), s,
+                               (every_anchor[bs] / (max_new_tokens * len(prompts))).tolist())
+            for bs, s in stats.items()}
 
 
 class AcceptanceProbe:
@@ -148,11 +167,11 @@ def load_pair_for_eval(target_dir, drafter_dir, device):
     return target, drafter
 
 
-def print_acceptance(ev: dict) -> None:
-    rates = " ".join(f"{r:.2f}" for r in ev["per_position_acceptance_rate"])
-    print(f"block {ev['block_size']}: mean acceptance length {ev['mean_acceptance_length']:.3f} over "
-          f"{ev['num_drafts']} drafts ({ev['num_prompts']} prompts); every-anchor estimate "
-          f"{ev['every_anchor_mean_acceptance_length']:.3f}\n  per-position acceptance: {rates}")
+def print_acceptance(ev: AcceptanceEval) -> None:
+    rates = " ".join(f"{r:.2f}" for r in ev.stats.per_position_acceptance_rate)
+    print(f"block {ev.block_size}: mean acceptance length {ev.stats.mean_acceptance_length:.3f} over "
+          f"{ev.stats.num_drafts} drafts ({ev.num_prompts} prompts); every-anchor estimate "
+          f"{ev.every_anchor_mean_acceptance_length:.3f}\n  per-position acceptance: {rates}")
 
 
 def run_evaluate(args) -> None:
@@ -171,5 +190,5 @@ def run_evaluate(args) -> None:
         path = Path(args.drafter) / LOG_NAME
         log = json.loads(path.read_text())
         log.setdefault("final", {})
-        log["final"].update({f"block_{bs}": ev for bs, ev in evs.items()}, eval_device=str(device))
+        log["final"].update({f"block_{bs}": ev.record() for bs, ev in evs.items()}, eval_device=str(device))
         write_log(path, log)

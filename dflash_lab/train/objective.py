@@ -176,7 +176,7 @@ def draft_logits_for(target, drafter, ids: torch.Tensor, anchors: torch.Tensor, 
     mask = None
     if lengths is not None:
         # The attention the drafter will be served with (vLLM's window and causality rule), then short blocks.
-        mask = short_block_mask(dflash_attention_mask(block_pos, positions, block_size, drafter.config.window,
+        mask = short_block_mask(dflash_attention_mask(block_pos, positions, block_size, drafter.window,
                                                       causal=drafter.config.is_causal), lengths, block_size)
     hidden = drafter(noise, block_pos, k, v, positions, block_size=block_size, mask=mask)
     return target.lm_head(hidden).unflatten(1, (anchors.shape[1], block_size))  # (B, A, bs, V)

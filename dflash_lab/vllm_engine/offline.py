@@ -46,10 +46,13 @@ class EngineRun:
     prompt_lookup_max: int = 5
     prompts: list | None = field(default=None, repr=False)  # this run's own prompts (default: run_offline's)
     max_new_tokens: int | None = None  # this run's own length (default: run_offline's)
+    drafter: object = None  # this run's drafter checkpoint directory (default: run_offline's)
 
     def __post_init__(self):
         if self.method not in ("dflash", "ngram", None):
             raise ValueError(f"EngineRun {self.name!r}: method must be 'dflash', 'ngram' or None, got {self.method!r}")
+        if self.drafter is not None and self.method != "dflash":
+            raise ValueError(f"EngineRun {self.name!r}: a drafter is only used by method 'dflash', not {self.method!r}")
         n = self.num_speculative_tokens
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"EngineRun {self.name!r}: num_speculative_tokens must be an integer >= 1, got {n!r}")
@@ -78,6 +81,7 @@ class EngineResult:
     vllm_version: str = ""
     shim: dict | None = None  # fixes the CPU shim applied; None when it was not loaded
     hybrid_manager_disabled: bool = False  # served with --disable-hybrid-kv-cache-manager (kv_grouping.py)
+    drafter: Path | None = None  # the drafter checkpoint this run's engine loaded (None: no drafter)
 
 
 def _stats(before: str, after: str) -> SpecDecodeStats:
@@ -127,13 +131,14 @@ def run_offline(prompts, runs, *, max_new_tokens: int = 64, seed: int = 0, targe
     """Every prompt through vLLM's ``LLM`` once per run; {run name: EngineResult}.
 
     prompts: token-id lists (given to vLLM as ``TokensPrompt``: no tokenizer in
-    between); a run may bring its own (``EngineRun.prompts``, ``.max_new_tokens``).
+    between); a run may bring its own (``EngineRun.prompts``, ``.max_new_tokens``,
+    ``.drafter``: one runner process serves several drafters, an engine each).
     Prompt i is sampled with seed + i. Generation ignores EOS and
     makes exactly ``max_new_tokens`` tokens, like ``speculative_generate`` with
     no stop tokens. in_process runs vLLM's engine in the runner's own process
     (saves two vLLM imports per run). shim=False runs without the CPU shim.
-    disable_hybrid_kv_cache_manager: None decides by vLLM's grouping: on only
-    where the drafter's layers would land in two KV-cache groups (kv_grouping.py).
+    disable_hybrid_kv_cache_manager: None decides by vLLM's grouping, run by run:
+    on only where the drafter's layers would land in two KV-cache groups (kv_grouping.py).
     """
     runs = [runs] if isinstance(runs, EngineRun) else list(runs)
     if not runs or not all(isinstance(r, EngineRun) for r in runs):
@@ -147,17 +152,20 @@ def run_offline(prompts, runs, *, max_new_tokens: int = 64, seed: int = 0, targe
     if any(p is None for p in run_prompts.values()):
         raise ValueError("prompts is None: give prompts, or prompts= to every EngineRun")
     run_tokens = {r.name: r.max_new_tokens or max_new_tokens for r in runs}
-    target_dir, drafter_dir = checkpoint_dirs(target, drafter, need_drafter=any(r.method == "dflash" for r in runs))
+    target_dir, drafter_dir = checkpoint_dirs(
+        target, drafter, need_drafter=any(r.method == "dflash" and r.drafter is None for r in runs))
+    run_drafter = {r.name: (checkpoint_dirs(target_dir, r.drafter)[1] if r.drafter is not None else drafter_dir)
+                   if r.method == "dflash" else None for r in runs}
     python = vllm_python(venv)
-    if disable_hybrid_kv_cache_manager is None:
-        disable_hybrid_kv_cache_manager = drafter_dir is not None and needs_hybrid_manager_disabled(target_dir, drafter_dir)
+    hybrid_off = {name: bool(disable_hybrid_kv_cache_manager) if disable_hybrid_kv_cache_manager is not None
+                  else d is not None and needs_hybrid_manager_disabled(target_dir, d) for name, d in run_drafter.items()}
     longest = max(len(p) + run_tokens[r.name] + r.num_speculative_tokens + 1 for r in runs for p in run_prompts[r.name])
-    job = {"target": str(target_dir), "drafter": str(drafter_dir) if drafter_dir else None,
+    job = {"target": str(target_dir),
            "dtype": dtype, "max_model_len": max_model_len or max(512, longest),
            "kv_cache_memory_bytes": KV_CACHE_MEMORY_BYTES, "enforce_eager": enforce_eager, "seed": seed,
-           "disable_hybrid_kv_cache_manager": bool(disable_hybrid_kv_cache_manager),
-           "runs": [{**asdict(r), "prompts": run_prompts[r.name], "max_new_tokens": run_tokens[r.name], "seed": seed}
-                    for r in runs]}
+           "runs": [{**asdict(r), "prompts": run_prompts[r.name], "max_new_tokens": run_tokens[r.name], "seed": seed,
+                     "drafter": str(run_drafter[r.name]) if run_drafter[r.name] else None,
+                     "disable_hybrid_kv_cache_manager": hybrid_off[r.name]} for r in runs]}
 
     with tempfile.TemporaryDirectory(prefix="dflash-lab-vllm-") as tmp, \
             tqdm(total=len(runs), desc="vLLM offline runs", unit="run", disable=not progress, leave=False) as bar:
@@ -189,7 +197,7 @@ def run_offline(prompts, runs, *, max_new_tokens: int = 64, seed: int = 0, targe
                                     metrics_text=r["metrics_text"], per_prompt=_per_prompt(r["steps"], sizes[r["name"]]),
                                     engine_start_s=r["engine_start_s"], generate_s=r["generate_s"],
                                     vllm_version=result["vllm_version"], shim=result["shim"],
-                                    hybrid_manager_disabled=bool(disable_hybrid_kv_cache_manager))
+                                    hybrid_manager_disabled=hybrid_off[r["name"]], drafter=run_drafter[r["name"]])
             for r in result["runs"]}
 
 

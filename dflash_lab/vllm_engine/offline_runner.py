@@ -8,13 +8,14 @@ this script and reads the result back:
     .venv-vllm/bin/python dflash_lab/vllm_engine/offline_runner.py JOB.json RESULT.json
 
 JOB.json:
-    target, drafter          checkpoint directories (drafter may be null for ngram / no speculation)
-    dtype, max_model_len, kv_cache_memory_bytes, enforce_eager, seed,
-    disable_hybrid_kv_cache_manager (one KV-cache group for all layers; see kv_grouping.py)
+    target                   checkpoint directory
+    dtype, max_model_len, kv_cache_memory_bytes, enforce_eager, seed
     runs                     list of {name, prompts (token-id lists, given as vllm.inputs.TokensPrompt:
                              no tokenizer involved), method: "dflash" | "ngram" | null,
-                             num_speculative_tokens, temperature, max_new_tokens, draft_sample_method,
-                             prompt_lookup_min, prompt_lookup_max}; each run starts its own engine
+                             drafter (checkpoint directory, null without one), num_speculative_tokens,
+                             temperature, max_new_tokens, draft_sample_method, prompt_lookup_min,
+                             prompt_lookup_max, disable_hybrid_kv_cache_manager (one KV-cache group for
+                             all layers; see kv_grouping.py)}; each run starts its own engine
                              (the speculative config is fixed per engine), one after the other
 RESULT.json:
     vllm_version, shim (fixes applied in this process, or null when the shim is not loaded)
@@ -80,9 +81,9 @@ def run_one(job: dict, run: dict) -> dict:
         max_model_len=int(job.get("max_model_len", 512)),
         kv_cache_memory_bytes=int(job.get("kv_cache_memory_bytes", 512 * 2**20)),  # not a RAM share
         enforce_eager=bool(job.get("enforce_eager", True)),
-        disable_hybrid_kv_cache_manager=bool(job.get("disable_hybrid_kv_cache_manager", False)),
+        disable_hybrid_kv_cache_manager=bool(run.get("disable_hybrid_kv_cache_manager", False)),
         seed=int(job.get("seed") or 0),
-        speculative_config=speculative_config(run, job.get("drafter")),
+        speculative_config=speculative_config(run, run.get("drafter")),
         disable_log_stats=False,  # the spec-decode counters are stats
         per_request_spec_decode_metrics="detailed" if run.get("method") else "none",  # accepted/drafted per step
         # With VLLM_ENABLE_V1_MULTIPROCESSING=0 (set by the lab) engine and worker run in this

@@ -50,7 +50,6 @@ from dflash_lab.repro import rounded
 from dflash_lab.runtime import BENCHMARKS_DIR, REPO_ROOT, drafter_path, seed_everything, target_path
 from dflash_lab.target import target_forward
 from dflash_lab.spec_decode import DFlashContext, dflash_draft_logits, generate_on_prompts, speculative_generate
-from dflash_lab.tools.bench_spec_decode import NoDraft
 from dflash_lab.user_prompts import PROMPTS_ENV, prompts_from_env
 from dflash_lab.vllm_engine.kv_grouping import drafter_kv_groups, needs_hybrid_manager_disabled
 from dflash_lab.widgets import acceptance_explorer, step_through
@@ -204,7 +203,7 @@ HTML(viz.acceptance_tokens_html(dflash_runs[0], tokenizer, prompt_tail=24))
 # ## 5 · Why it is faster: plain greedy, DFlash and prompt lookup
 #
 # Plain greedy decoding is the baseline: one target forward per token. It runs through the
-# same loop with a proposer that never proposes (`NoDraft`), so the three methods pay the same
+# same loop with no drafter (`drafter=None`: nothing is proposed), so the three methods pay the same
 # overheads. Prompt lookup drafts without a model: find the longest recent n-gram that also
 # occurred earlier in the sequence and copy what followed it. A step where it finds no match is
 # not a draft (vLLM does not count it either): the target simply decodes one token, so compare
@@ -215,7 +214,7 @@ HTML(viz.acceptance_tokens_html(dflash_runs[0], tokenizer, prompt_tail=24))
 (lookup[16], lookup_runs), seconds["prompt lookup", 16] = timed(
     generate_on_prompts, target, "ngram", prompts, max_new_tokens=MAX_NEW, block_size=16, desc="prompt lookup, block 16")
 (greedy_only, _), seconds["plain greedy", None] = timed(
-    generate_on_prompts, target, NoDraft(), prompts, max_new_tokens=MAX_NEW, block_size=2, desc="plain greedy")
+    generate_on_prompts, target, None, prompts, max_new_tokens=MAX_NEW, block_size=2, desc="plain greedy")
 
 # %%
 for name, stats in {"plain greedy": greedy_only, "DFlash": dflash[16], "prompt lookup": lookup[16]}.items():

@@ -261,10 +261,7 @@ for name, path in DRAFTERS.items():
     log = viz.read_training_log(path) if (path / "training_log.json").is_file() else {}
     evals = {int(k.removeprefix("block_")): ev for k, ev in (log.get("final") or {}).items() if k.startswith("block_")}
     if evals:
-        shipped[name] = {bs: SpecDecodeStats(num_drafts=ev["num_drafts"], num_draft_tokens=ev["num_drafts"] * (bs - 1),
-                                             num_accepted_tokens=ev["num_accepted_tokens"],
-                                             num_accepted_tokens_per_pos=ev["num_accepted_tokens_per_pos"])
-                         for bs, ev in sorted(evals.items())}
+        shipped[name] = {bs: SpecDecodeStats.from_dict(ev) for bs, ev in sorted(evals.items())}
 for name, by_block in shipped.items():
     dcfg = DFlashDrafterConfig.from_pretrained(DRAFTERS[name])
     print(f"{name:8s} ({dcfg.layer_type}, window {dcfg.window}, causal {dcfg.is_causal}):",

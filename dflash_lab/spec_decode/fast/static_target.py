@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ...layers import apply_rope
+from ...layers import gqa_attention
 from . import triton_ops
 
 MOE_IMPLEMENTATIONS = ("auto", "grouped", "dense")
@@ -80,29 +80,13 @@ def round_up(n: int, multiple: int) -> int:
 
 
 # ---------------------------------------------------------------------------
-# Attention over a static cache (shared with the drafter)
+# Attention over a static cache
 # ---------------------------------------------------------------------------
 
 
 def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """(B, Q, S) bool -> (B, Q, S) 0 / -inf in ``dtype`` (every row has a visible key)."""
     return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))
-
-
-def gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, scale: float) -> torch.Tensor:
-    """Attention of q (B, Q, H, hd) over k/v (B, nkv, S, hd) with an additive bias (B, Q, S) -> (B, Q, H*hd).
-
-    The g = H / nkv query heads that share a KV head are folded into the query
-    axis, (B, nkv, g*Q, hd), so SDPA's fused kernels run on the KV heads as they
-    are (no repeat of K/V, no enable_gqa fallback to the math kernel).
-    """
-    B, Q, H, hd = q.shape
-    nkv = k.shape[1]
-    g = H // nkv
-    qg = q.view(B, Q, nkv, g, hd).permute(0, 2, 3, 1, 4).reshape(B, nkv, g * Q, hd)  # head h = kv h//g, member h%g
-    mask = bias[:, None, None].expand(B, 1, g, Q, bias.shape[-1]).reshape(B, 1, g * Q, bias.shape[-1])
-    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)  # (B, nkv, g*Q, hd)
-    return out.view(B, nkv, g, Q, hd).permute(0, 3, 1, 2, 4).reshape(B, Q, H * hd)
 
 
 def write_slots(cache: torch.Tensor, new: torch.Tensor, positions: torch.Tensor) -> None:
@@ -194,8 +178,8 @@ class StaticTarget:
         a = lay.attn
         B, Q, _ = x.shape
         q, k, v, g = F.linear(x, lay.w_in, lay.b_in).split(lay.split, dim=-1)
-        q = triton_ops.norm_rope(a.q_norm, q, cos, sin, q.shape[-1] // a.head_dim, a.head_dim, apply_rope)  # (B, Q, H, hd)
-        k = triton_ops.norm_rope(a.k_norm, k, cos, sin, k.shape[-1] // a.head_dim, a.head_dim, apply_rope)  # (B, Q, nkv, hd)
+        q = triton_ops.norm_rope(a.q_norm, q, cos, sin, q.shape[-1] // a.head_dim, a.head_dim)  # (B, Q, H, hd)
+        k = triton_ops.norm_rope(a.k_norm, k, cos, sin, k.shape[-1] // a.head_dim, a.head_dim)  # (B, Q, nkv, hd)
         cache_k, cache_v = self.cache[i]
         write_slots(cache_k, k, positions)
         write_slots(cache_v, v.view(B, Q, -1, a.head_dim), positions)

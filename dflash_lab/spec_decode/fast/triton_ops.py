@@ -15,13 +15,15 @@ input dtype. The sum inside the mean runs in another order than torch's, so
 results agree to rounding (float32: ~1e-7 relative), not bit for bit.
 
 ``enabled(x)``: CUDA tensors with Triton installed, unless DFLASH_LAB_FUSED=0
-(the switch ``dflash_lab.kernels`` reads). Elsewhere the callers use the modules.
+(the switch ``context_kv_kernel`` reads). Elsewhere ``norm`` / ``norm_rope`` fall back to
+``layers.TorchOps``: this module can be passed as ``ops=`` wherever TorchOps can.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ...layers import TorchOps
 from . import context_kv_kernel as kernels
 
 try:  # Triton is a GPU-side extra
@@ -136,13 +138,12 @@ def norm(module, x: torch.Tensor) -> torch.Tensor:
     if enabled(x):
         eps = getattr(module, "variance_epsilon", None) or getattr(module, "eps")
         return rms_norm(x, module.weight, eps)
-    return module(x)
+    return TorchOps.norm(module, x)
 
 
-def norm_rope(module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, head_dim: int,
-              apply_rope) -> torch.Tensor:
-    """A head norm module then RoPE: one kernel where ``enabled``, else the module and ``apply_rope``."""
+def norm_rope(module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
+    """A head norm module then RoPE: one kernel where ``enabled``, else ``layers.TorchOps.norm_rope``."""
     if enabled(x):
         eps = getattr(module, "variance_epsilon", None) or getattr(module, "eps")
         return head_norm_rope(x, module.weight, cos, sin, eps, heads, head_dim)
-    return apply_rope(module(x.unflatten(-1, (heads, head_dim))), cos, sin)
+    return TorchOps.norm_rope(module, x, cos, sin, heads, head_dim)
