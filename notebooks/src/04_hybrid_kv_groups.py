@@ -321,7 +321,8 @@ draw(dsv4_groups["BLHNC"], dsv4, "DeepSeek-V4-shaped + MTP · packed layout (BLH
 # MTP included: the proposer sets `is_draft_layer` on each layer that was not there
 # before the drafter loaded (`v1/spec_decode/llm_base_proposer.py:1328-1335`), and the
 # model runner copies that into the layer's spec as `is_draft=True`
-# (`v1/worker/gpu_model_runner.py:7114-7115`). An MTP layer's spec still *compares
+# (`v1/worker/gpu_model_runner.py:7114-7115`). Those are V1's lines; the V2 runner does the
+# same (`v1/worker/gpu/spec_decode/speculator.py:242`, `v1/worker/gpu/attn_utils.py:150-151`). An MTP layer's spec still *compares
 # equal* to the target's attention spec, because the field is declared with
 # `compare=False` (`v1/kv_cache_interface.py:215`): the marker never changes a grouping.
 #
