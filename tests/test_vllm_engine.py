@@ -1,18 +1,20 @@
 """vLLM's own engine (its CPU build in .venv-vllm) against the lab, on the shipped pair.
 
 One offline vLLM process runs every engine configuration (module fixture), so
-vLLM is imported once; the lab side runs once per configuration. Then:
+vLLM is imported once; the lab side runs once per configuration. Both shipped
+drafters go through vLLM's engine: the paper's (full attention, non-causal) with
+15 and 7 speculative tokens, the Poolside-style one (sliding window 64, causal)
+with 15 (one engine, on the same prompts). Then:
 
-  greedy, fp32, 15 and 7 speculative tokens: vLLM's outputs == the lab's == the
-      target's own greedy output; drafts, draft tokens, accepted tokens and the
-      per-position counts equal exactly (in total and prompt by prompt, step by step)
+  greedy, fp32: vLLM's outputs == the lab's == the target's own greedy output;
+      drafts, draft tokens, accepted tokens and the per-position counts equal
+      exactly (in total and prompt by prompt, step by step), for every drafter
   temperature 1, greedy drafts (vLLM's default) and probabilistic drafts:
       per-position acceptance rates agree within sampling error
   prompt lookup: vLLM's ngram proposer == the lab's prompt lookup, count for count
   the server: `serve` + /metrics read by the lab's reader give the same counts;
-      it stops cleanly on an exception
-  the CPU shim: both reproduction scripts show vLLM wrong without it and right with it
-  bad input: clear errors, no stray process, nothing written
+      it stops cleanly on an exception (signals, bad input: test_serve_and_lab.py)
+  the CPU shim: the reproduction scripts show vLLM wrong without it and right with it
 
 If vLLM's DFlash context K/V goes wrong (as it does on CPU without the shim),
 the engine still runs but acceptance collapses: the exact-count tests fail
@@ -25,18 +27,15 @@ from __future__ import annotations
 import inspect
 import json
 import math
-import os
-import socket
 import subprocess
 
 import pytest
 import torch
 
-from dflash_lab.assets import heldout_prompts, load_default_pair
-from dflash_lab.runtime import DRAFTER_ENV, REPO_ROOT, drafter_path, target_path
+from dflash_lab.assets import DRAFTERS, heldout_prompts, load_default_pair
+from dflash_lab.runtime import REPO_ROOT, drafter_path, target_path
 from dflash_lab.spec_decode import SpecDecodeStats, generate_on_prompts, new_target_cache, speculative_generate
 from dflash_lab.vllm_engine import EngineRun, VLLMEngineError, run_offline, serve
-from dflash_lab.vllm_engine import server as server_module
 from dflash_lab.vllm_engine.kv_grouping import drafter_kv_groups
 from dflash_lab.vllm_engine.process import VLLM_VENV, engine_env
 
@@ -51,6 +50,8 @@ GREEDY_PROMPTS, GREEDY_PROMPT_TOKENS, GREEDY_NEW_TOKENS = 8, 64, 64
 # prompts; vLLM without the shim's expand-kernel fix misses its own expected acceptance by z = -12.
 SAMPLED_PROMPTS, SAMPLED_NEW_TOKENS, SAMPLED_SPEC_TOKENS, MIN_DRAFTS = 16, 32, 7, 200
 SPEC_TOKENS = (15, 7)
+# (shipped drafter, speculative tokens): one vLLM engine each; the poolside drafter at its trained block (16)
+GREEDY_CASES = (("paper", 15), ("paper", 7), ("poolside", 15))
 Z_LIMIT = 3.5  # |z| per position; 7 positions: family-wise false alarm < 0.4% under normality
 LAB_HAS_DRAFT_SAMPLE_METHOD = "draft_sample_method" in inspect.signature(speculative_generate).parameters
 
@@ -71,6 +72,16 @@ def pair():
 
 
 @pytest.fixture(scope="module")
+def drafters(pair):
+    """The shipped drafters by name, in float32 ("paper" is the pair's own: $DFLASH_LAB_DRAFTER may replace it)."""
+    return {"paper": pair[1], "poolside": load_default_pair(device="cpu", drafter="poolside")[1]}
+
+
+def run_name(drafter: str, n: int) -> str:
+    return f"dflash{n}" if drafter == "paper" else f"{drafter}_dflash{n}"
+
+
+@pytest.fixture(scope="module")
 def prompts(pair):
     tokenizer = pair[2]
     ids = [tokenizer(p["text"])["input_ids"][-GREEDY_PROMPT_TOKENS:] for p in heldout_prompts()[:SAMPLED_PROMPTS]]
@@ -79,7 +90,8 @@ def prompts(pair):
 
 @pytest.fixture(scope="module")
 def vllm_runs(prompts):
-    runs = [EngineRun(f"dflash{n}", num_speculative_tokens=n, prompts=prompts["greedy"]) for n in SPEC_TOKENS]
+    runs = [EngineRun(run_name(d, n), num_speculative_tokens=n, prompts=prompts["greedy"],
+                      drafter=None if d == "paper" else DRAFTERS[d]) for d, n in GREEDY_CASES]
     runs.append(EngineRun("ngram7", method="ngram", num_speculative_tokens=7, prompt_lookup_min=2, prompt_lookup_max=5,
                           prompts=prompts["greedy"]))
     if LAB_HAS_DRAFT_SAMPLE_METHOD:
@@ -89,15 +101,22 @@ def vllm_runs(prompts):
     return run_offline(None, runs, max_new_tokens=GREEDY_NEW_TOKENS, seed=0, progress=False)
 
 
-def lab_run(pair, proposer, prompts, num_speculative_tokens, **kwargs):
-    target, drafter, _ = pair
-    return generate_on_prompts(target, drafter if proposer == "dflash" else proposer, prompts,
+def lab_run(pair, proposer, prompts, num_speculative_tokens, *, drafter=None, **kwargs):
+    target, default_drafter, _ = pair
+    return generate_on_prompts(target, (drafter or default_drafter) if proposer == "dflash" else proposer, prompts,
                                block_size=num_speculative_tokens + 1, progress=False, **kwargs)
 
 
 @pytest.fixture(scope="module")
-def lab_greedy(pair, prompts):
-    return {n: lab_run(pair, "dflash", prompts["greedy"], n, max_new_tokens=GREEDY_NEW_TOKENS) for n in SPEC_TOKENS}
+def lab_greedy(pair, drafters, prompts):
+    return {(d, n): lab_run(pair, "dflash", prompts["greedy"], n, drafter=drafters[d], max_new_tokens=GREEDY_NEW_TOKENS)
+            for d, n in GREEDY_CASES}
+
+
+@pytest.fixture(scope="module")
+def target_outputs(pair, prompts):
+    """The target alone on the first two greedy prompts (the slow path, computed once)."""
+    return [target_greedy(pair[0], prompt, GREEDY_NEW_TOKENS) for prompt in prompts["greedy"][:2]]
 
 
 @torch.no_grad()
@@ -122,18 +141,23 @@ def counters(stats: SpecDecodeStats) -> dict:
 
 
 def test_vllm_ran_with_the_shim_and_spec_decoding(vllm_runs):
-    run = vllm_runs["dflash15"]
-    assert run.shim is not None, "the CPU shim was not loaded in vLLM's process (is vllm_cpu_shim installed?)"
-    assert run.stats.num_drafts > 0 and run.per_prompt is not None
+    for drafter, n in GREEDY_CASES:
+        run = vllm_runs[run_name(drafter, n)]
+        assert run.shim is not None, "the CPU shim was not loaded in vLLM's process (is vllm_cpu_shim installed?)"
+        assert run.stats.num_drafts > 0 and run.per_prompt is not None
+        assert run.drafter == (drafter_path() if drafter == "paper" else DRAFTERS[drafter]).resolve()
 
 
-def test_the_shipped_drafter_needs_one_kv_group_and_gets_it_with_the_hybrid_manager_off(vllm_runs):
-    """vLLM's grouping (4 sliding + 2 full target layers, 4 full drafter layers) cuts the 6 full layers
-    into two groups of 3 and splits the drafter 2 + 2; with the hybrid manager off all layers share one group."""
-    split = drafter_kv_groups(target_path(), drafter_path())
+@pytest.mark.parametrize("drafter", ["paper", "poolside"])
+def test_the_shipped_drafter_needs_one_kv_group_and_gets_it_with_the_hybrid_manager_off(vllm_runs, drafter):
+    """vLLM's grouping (4 sliding + 2 full target layers, 4 drafter layers, whose KV caches are full attention
+    even where the layer slides) cuts the 6 full layers into two groups of 3 and splits the drafter 2 + 2;
+    with the hybrid manager off all layers share one group."""
+    path = drafter_path() if drafter == "paper" else DRAFTERS[drafter]
+    split = drafter_kv_groups(target_path(), path)
     assert len(split) == 2 and sorted(map(len, split)) == [2, 2], split
-    assert len(drafter_kv_groups(target_path(), drafter_path(), hybrid_manager_disabled=True)) == 1
-    assert vllm_runs["dflash15"].hybrid_manager_disabled and vllm_runs["dflash7"].hybrid_manager_disabled
+    assert len(drafter_kv_groups(target_path(), path, hybrid_manager_disabled=True)) == 1
+    assert all(vllm_runs[run_name(d, n)].hybrid_manager_disabled for d, n in GREEDY_CASES if d == drafter)
 
 
 def test_with_the_hybrid_manager_on_vllm_refuses_the_split_drafter_and_the_lab_says_why(prompts):
@@ -143,19 +167,19 @@ def test_with_the_hybrid_manager_on_vllm_refuses_the_split_drafter_and_the_lab_s
     assert "--disable-hybrid-kv-cache-manager" in str(failure.value)  # the lab's hint
 
 
-@pytest.mark.parametrize("n", SPEC_TOKENS)
-def test_greedy_outputs_equal_the_lab_and_the_target(vllm_runs, lab_greedy, pair, prompts, n):
-    _, results = lab_greedy[n]
+@pytest.mark.parametrize("drafter,n", GREEDY_CASES)
+def test_greedy_outputs_equal_the_lab_and_the_target(vllm_runs, lab_greedy, target_outputs, drafter, n):
+    _, results = lab_greedy[drafter, n]
     lab_outputs = [r.new_token_ids for r in results]
-    assert vllm_runs[f"dflash{n}"].outputs == lab_outputs
-    for prompt, out in zip(prompts["greedy"][:2], lab_outputs):  # the target alone, on two prompts (slow path)
-        assert out == target_greedy(pair[0], prompt, GREEDY_NEW_TOKENS)
+    assert vllm_runs[run_name(drafter, n)].outputs == lab_outputs
+    assert lab_outputs[:2] == target_outputs  # the target alone, on two prompts
+    assert lab_outputs == [r.new_token_ids for r in lab_greedy["paper", 15][1]]  # greedy: the drafter changes no token
 
 
-@pytest.mark.parametrize("n", SPEC_TOKENS)
-def test_greedy_counters_equal_the_lab_exactly(vllm_runs, lab_greedy, n):
-    lab_stats, results = lab_greedy[n]
-    run = vllm_runs[f"dflash{n}"]
+@pytest.mark.parametrize("drafter,n", GREEDY_CASES)
+def test_greedy_counters_equal_the_lab_exactly(vllm_runs, lab_greedy, drafter, n):
+    lab_stats, results = lab_greedy[drafter, n]
+    run = vllm_runs[run_name(drafter, n)]
     assert counters(run.stats) == counters(lab_stats)
     # A collapse (wrong context K/V) keeps generating the right tokens but accepts almost nothing.
     assert run.stats.mean_acceptance_length == pytest.approx(lab_stats.mean_acceptance_length)
@@ -316,86 +340,3 @@ def test_the_shim_leaves_a_non_cpu_platform_alone():
     )
     done = run_in_vllm_venv(["-c", snippet])
     assert done.returncode == 0 and done.stdout.strip().endswith("untouched"), done.stderr[-3000:]
-
-
-# ---------------------------------------------------------------------------
-# Bad input: a clear message, no stray process, nothing written
-# ---------------------------------------------------------------------------
-
-
-@pytest.fixture
-def started(monkeypatch):
-    """Every process `serve` starts, to check that none is left running."""
-    processes = []
-
-    class Recording(server_module.EngineProcess):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            processes.append(self)
-
-    monkeypatch.setattr(server_module, "EngineProcess", Recording)
-    return processes
-
-
-def tree(path):
-    return sorted((str(p.relative_to(path)), p.stat().st_size if p.is_file() else -1) for p in path.rglob("*"))
-
-
-def test_a_drafter_vllm_rejects_is_named_and_nothing_is_left(tmp_path, monkeypatch, started):
-    bad = tmp_path / "drafter"
-    bad.mkdir()
-    config = json.loads((drafter_path() / "config.json").read_text())
-    config["sliding_window"] = None  # transformers' LagunaConfig (strict) refuses null: vLLM cannot read it
-    (bad / "config.json").write_text(json.dumps(config))
-    (bad / "model.safetensors").symlink_to(drafter_path() / "model.safetensors")
-    work = tmp_path / "cwd"
-    work.mkdir()
-    monkeypatch.chdir(work)
-    before = tree(tmp_path)
-    with pytest.raises(VLLMEngineError, match="exited.*before it was ready") as failure:
-        with serve(drafter=bad, progress=False, timeout_s=300):
-            pass
-    assert "sliding_window" in str(failure.value)
-    assert len(started) == 1 and started[0].poll() is not None and not started[0].group_alive()
-    assert tree(tmp_path) == before
-
-
-def test_a_port_in_use_is_named_before_anything_starts(started):
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as busy:
-        busy.bind(("127.0.0.1", 0))
-        busy.listen()
-        port = busy.getsockname()[1]
-        with pytest.raises(VLLMEngineError, match=f"port {port} on 127.0.0.1 is already in use"):
-            with serve(port=port, progress=False):
-                pass
-    assert started == []
-
-
-def test_a_missing_checkpoint_is_named(tmp_path, monkeypatch, started):
-    missing = tmp_path / "no-such-drafter"
-    monkeypatch.setenv(DRAFTER_ENV, str(missing))
-    with pytest.raises(FileNotFoundError, match=rf"drafter checkpoint directory {missing} \(from \${DRAFTER_ENV}\)"):
-        with serve(progress=False):
-            pass
-    with pytest.raises(FileNotFoundError, match="target checkpoint directory"):
-        run_offline([[1, 2, 3]], EngineRun("x"), target=tmp_path / "no-such-target", progress=False)
-    assert started == [] and not missing.exists()
-
-
-def test_a_missing_vllm_venv_says_make_setup(tmp_path, started):
-    with pytest.raises(VLLMEngineError, match="run `make setup`"):
-        with serve(venv=tmp_path / "no-venv", progress=False):
-            pass
-    with pytest.raises(VLLMEngineError, match="run `make setup`"):
-        run_offline([[1, 2, 3]], EngineRun("x"), venv=tmp_path / "no-venv", progress=False)
-    assert started == [] and list(tmp_path.iterdir()) == []
-
-
-def test_engine_env_turns_the_shim_on_and_off(monkeypatch):
-    monkeypatch.delenv("VLLM_PLUGINS", raising=False)
-    assert "VLLM_PLUGINS" not in engine_env(shim=True)  # unset: vLLM loads every plugin
-    assert engine_env(shim=False)["VLLM_PLUGINS"] == ""  # an allow-list naming none
-    monkeypatch.setenv("VLLM_PLUGINS", "other")
-    assert engine_env(shim=True)["VLLM_PLUGINS"] == "other,dflash_lab_cpu_shim"
-    assert engine_env(shim=False)["VLLM_PLUGINS"] == "other"
-    assert os.environ["VLLM_PLUGINS"] == "other"  # the lab's own environment is not changed
