@@ -28,7 +28,7 @@ from dflash_lab.spec_decode import fast_generate, fast_generate_batch, speculati
 from dflash_lab.spec_decode.fast import decoder as fast_decoder
 from dflash_lab.train import AcceptanceProbe
 
-MAX_NEW = 32
+MAX_NEW = 24
 BLOCK = 16
 LENGTHS = (64, 23, 57, 40, 31, 48, 17, 36)  # ragged: each prompt cut to its last n tokens
 DRAFTERS = ["paper", "poolside", "sliding-noncausal-w8"]
@@ -79,13 +79,14 @@ def test_the_third_drafter_is_sliding_non_causal_with_a_window_inside_the_block(
     assert (shipped[1]["poolside"].config.is_causal, shipped[1]["paper"].config.is_causal) == (True, False)
 
 
-def test_every_eager_run_is_the_targets_greedy_continuation_and_drafts(shipped, eager):
+def test_every_eager_run_is_plain_greedy_decoding_with_drafts_accepted(shipped, eager):
     target, _, prompts = shipped
     name, _, results = eager
-    for p, r in zip(prompts, results):
-        plain = speculative_generate(target, None, p, max_new_tokens=MAX_NEW)  # no drafter: plain greedy decoding
-        assert r.new_token_ids == plain.new_token_ids and plain.stats.num_drafts == 0
+    plain = speculative_generate(target, None, prompts[0], max_new_tokens=MAX_NEW)  # no drafter: plain greedy
+    assert results[0].new_token_ids == plain.new_token_ids and plain.stats.num_drafts == 0
+    assert plain.stats.num_target_forwards == 1 + MAX_NEW - 1  # the prefill, then one forward per token
     assert sum(r.stats.num_accepted_tokens for r in results) > 0, f"{name}: a trained drafter must be accepted"
+    # (every prompt's tokens are the target's greedy continuation: the evaluation test checks them against it)
 
 
 def test_fast_path_at_batch_1_equals_the_eager_loop_and_reuses_one_decoder(shipped, eager):

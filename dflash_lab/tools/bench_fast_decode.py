@@ -2,7 +2,9 @@
 
 One record per (method, block size, batch, CUDA graphs on/off):
 
-    method               "target_only" (greedy, block 1), "dflash", "prompt_lookup"
+    method               "target_only" (greedy, block 1), "dflash" (the default drafter, the
+                         paper's), "dflash_poolside" (the Poolside-style drafter: sliding, causal),
+                         "prompt_lookup"
     block_size, batch, cuda_graphs, tokens_per_s, mean_acceptance_length, device
     + tokens, seconds, batch_steps, ms_per_batch_step, target_forwards_per_token,
       outputs_equal_target_only (same batch and graphs setting), outputs_equal_graphs_off
@@ -29,21 +31,29 @@ from ..runtime import device_name, synchronized_time
 from ..spec_decode.fast.decoder import PHASES, FastDecoder, phase_times
 from ..spec_decode.stats import SpecDecodeStats
 
-METHODS = ("target_only", "dflash", "prompt_lookup")
+METHODS = ("target_only", "dflash", "dflash_poolside", "prompt_lookup")
 
 
-def runs(block_sizes) -> list[tuple[str, int]]:
+def drafter_methods(drafters: dict) -> dict:
+    """{method: drafter}: "dflash" for the shipped default, "dflash_<name>" for every other shipped drafter."""
+    return {("dflash" if name == "paper" else f"dflash_{name}"): d for name, d in drafters.items()}
+
+
+def runs(block_sizes, methods=("dflash",)) -> list[tuple[str, int]]:
     """(method, block size) in the order they are measured."""
-    return [("target_only", 1)] + [(m, b) for m in ("dflash", "prompt_lookup") for b in block_sizes]
+    return [("target_only", 1)] + [(m, b) for m in (*methods, "prompt_lookup") for b in block_sizes]
 
 
-def _proposer(method: str, drafter):
-    return {"target_only": None, "dflash": drafter, "prompt_lookup": "ngram"}[method]
+def _proposer(method: str, drafters: dict):
+    return {"target_only": None, "prompt_lookup": "ngram"}.get(method, drafters.get(method))
 
 
-def measure_fast_decoding(target, drafter, prompts, *, batches, block_sizes, graphs=(True, False), max_new_tokens: int,
-                          progress=print, on_record=None) -> list[dict]:
-    """tokens/s of every (method, block, batch, graphs) on ``prompts``; see the module docstring."""
+def measure_fast_decoding(target, drafters: dict, prompts, *, batches, block_sizes, graphs=(True, False),
+                          max_new_tokens: int, progress=print, on_record=None) -> list[dict]:
+    """tokens/s of every (method, block, batch, graphs) on ``prompts``; see the module docstring.
+
+    drafters: {"paper": drafter, "poolside": drafter, ...} (see ``drafter_methods``)."""
+    drafters = drafter_methods(drafters)
     device = next(target.parameters()).device
     dtype = str(next(target.parameters()).dtype).replace("torch.", "")
     capacity = max(int(p.shape[-1]) for p in prompts) + max_new_tokens
@@ -52,9 +62,9 @@ def measure_fast_decoding(target, drafter, prompts, *, batches, block_sizes, gra
     for batch in batches:
         chunks = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
         for cuda_graphs in graphs:
-            for method, block in runs(block_sizes):
+            for method, block in runs(block_sizes, tuple(drafters)):
                 t0 = synchronized_time(device)
-                dec = FastDecoder(target, _proposer(method, drafter), batch=batch, block_size=block, capacity=capacity,
+                dec = FastDecoder(target, _proposer(method, drafters), batch=batch, block_size=block, capacity=capacity,
                                   cuda_graphs=cuda_graphs)
                 setup_s = synchronized_time(device) - t0
                 # Warm-up, untimed: every prompt once (each new prompt length costs one-off work: Triton
@@ -112,13 +122,14 @@ def speedups(records) -> list[dict]:
     return out
 
 
-def phase_breakdown(target, drafter, prompts, *, block_size: int, max_new_tokens: int) -> dict:
-    """Milliseconds per step in each phase, batch 1, each phase its own CUDA graph (DFlash and target only)."""
+def phase_breakdown(target, drafters: dict, prompts, *, block_size: int, max_new_tokens: int) -> dict:
+    """Milliseconds per step in each phase, batch 1, each phase its own CUDA graph (each drafter and target only)."""
     device = next(target.parameters()).device
     capacity = max(int(p.shape[-1]) for p in prompts) + max_new_tokens
+    drafters = drafter_methods(drafters)
     out = {}
-    for method, block in (("dflash", block_size), ("target_only", 1)):
-        dec = FastDecoder(target, _proposer(method, drafter), batch=1, block_size=block, capacity=capacity,
+    for method, block in [(m, block_size) for m in drafters] + [("target_only", 1)]:
+        dec = FastDecoder(target, _proposer(method, drafters), batch=1, block_size=block, capacity=capacity,
                           cuda_graphs=True, phase_graphs=True)
         phase_times(dec, prompts[:1], max_new_tokens=max_new_tokens)  # warm-up
         total = {"steps": 0, **{f"{p}_s": 0.0 for p in PHASES}}

@@ -219,14 +219,15 @@ def spec_decode(args) -> int:
         return write_results(out, stem, result, spec_decode_markdown(result))
 
     target, drafter, tokenizer = load_default_pair(device=device)
+    drafters = {"paper": drafter, "poolside": load_default_pair(device=device, drafter="poolside")[1]}
     prompts = held_out(tokenizer, n_prompts, 256, device)
-    records = measure_fast_decoding(target, drafter, [p[0] for p in prompts], batches=batches, block_sizes=blocks,
+    records = measure_fast_decoding(target, drafters, [p[0] for p in prompts], batches=batches, block_sizes=blocks,
                                     graphs=graphs, max_new_tokens=max_new, progress=log,
                                     on_record=lambda rs: (result.update(records=kept + list(rs)), save()))
     records = sorted(kept + records, key=lambda r: (r["batch"], not r["cuda_graphs"]))
     result.update(records=records, speedups=speedups(records), goal=goal_check(records, max(blocks)))
     save()
-    result["phases"] = phase_breakdown(target, drafter, [p[0] for p in prompts[:8]], block_size=max(blocks),
+    result["phases"] = phase_breakdown(target, drafters, [p[0] for p in prompts[:8]], block_size=max(blocks),
                                        max_new_tokens=max_new)
     save()
     taus = {r["block_size"]: r["mean_acceptance_length"] for r in records

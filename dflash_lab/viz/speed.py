@@ -12,7 +12,8 @@ import plotly.graph_objects as go
 
 from dflash_lab.viz.common import PALETTE, method_color, titled
 
-METHOD_LABELS = {"dflash": "DFlash", "prompt_lookup": "prompt lookup", "target_only": "plain greedy"}
+METHOD_LABELS = {"dflash": "DFlash", "dflash_poolside": "DFlash (Poolside-style drafter)", "prompt_lookup": "prompt lookup",
+                 "target_only": "plain greedy"}
 # phase key -> (label, colour), in the order a step runs them
 PHASE_STYLE = {
     "draft": ("drafter (block forward + lm_head)", PALETTE["blue"]),

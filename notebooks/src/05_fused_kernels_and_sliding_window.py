@@ -236,10 +236,10 @@ speed_records, phases = speed["records"], speed["phases"]
 if device.type == "cuda":  # a quick live run: batch 1, block 16, 8 prompts x 64 tokens (~half a minute)
     live_prompts = [tokenizer(p["text"], return_tensors="pt")["input_ids"][0, -256:].to(device)
                     for p in heldout_prompts()[:8]]
-    speed_records = bench_fast_decode.measure_fast_decoding(target, drafter, live_prompts, batches=[1],
+    speed_records = bench_fast_decode.measure_fast_decoding(target, {"paper": drafter}, live_prompts, batches=[1],
                                                             block_sizes=[16], graphs=(True,), max_new_tokens=64,
                                                             progress=lambda s: None)
-    phases = bench_fast_decode.phase_breakdown(target, drafter, live_prompts, block_size=16, max_new_tokens=64)
+    phases = bench_fast_decode.phase_breakdown(target, {"paper": drafter}, live_prompts, block_size=16, max_new_tokens=64)
 print("speed from:", speed_records[0]["device"], "(live)" if device.type == "cuda" else "(committed run)")
 
 # %%
