@@ -957,3 +957,21 @@ def test_missing_vllm_raises_an_import_error_that_says_how_to_install_it():
     """)
     assert run.returncode == 0, run.stderr
     assert 'pip install "vllm==0.33.*"' in run.stdout and "make setup" in run.stdout
+
+
+def test_v2_speculator_gives_a_split_laguna_drafter_one_groups_slots():
+    """FIDELITY §10.2, the candidate V2 defect, with V2's own set_attn/_precompute_context_kv on the
+    CPU (scripts/vllm_defects/repro_v2_laguna_split_groups.py). Fails once vLLM fixes it."""
+    import json as _json
+    from pathlib import Path
+
+    script = Path(__file__).parents[1] / "scripts" / "vllm_defects" / "repro_v2_laguna_split_groups.py"
+    run = subprocess.run([sys.executable, str(script), "--json"], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "VLLM_TARGET_DEVICE": "cpu"})
+    assert run.returncode == 1, run.stderr[-2000:]
+    result = _json.loads(run.stdout.strip().splitlines()[-1])
+    assert sorted(set(result["drafter_layer_groups"])) == [1, 2]  # the drafter is split
+    assert result["slots_with_layer_names"] == result["slots_needed_per_layer"]  # Qwen3's way works
+    assert not result["DFlashLagunaForCausalLM_defines_get_draft_kv_cache_layer_names"]
+    assert len({tuple(r) for r in result["slots_laguna"]}) == 1  # one group's slots for every layer
+    assert result["laguna_layers_with_wrong_slots"] == ["model.layers.7.self_attn.attn", "model.layers.9.self_attn.attn"]

@@ -12,7 +12,9 @@ On a GPU, 0.33 picks the V2 model runner by default when Triton is there
 only through the model's ``get_draft_kv_cache_layer_names``, which
 ``DFlashLagunaForCausalLM`` does not define (``laguna_dflash.py:238``; Qwen3's drafter does,
 ``qwen3_dflash.py:793-799``): a split Laguna drafter would write every layer's context
-K/V at group 0's slots there, a candidate vLLM defect nobody here has run on a GPU.
+K/V at the first draft group's slots there, a candidate vLLM defect nobody here has run on a
+GPU (``scripts/vllm_defects/repro_v2_laguna_split_groups.py`` shows it with V2's own code on
+the CPU).
 
 With a hybrid target (sliding + full layers) vLLM's grouping cuts each attention type
 into groups of equal size, and the layer counts alone decide where the cut falls: the

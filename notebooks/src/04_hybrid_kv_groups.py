@@ -244,10 +244,11 @@ for off in (False, True):
 # is in only from the model's `get_draft_kv_cache_layer_names` (`speculator.py:290-302`).
 # Qwen3's DFlash drafter defines it (`qwen3_dflash.py:793-799`); `DFlashLagunaForCausalLM`
 # (`laguna_dflash.py:238`) does not, and does not inherit it. V2 then keeps
-# `_layer_group_idx = None`: every drafter layer shares group 0's context slot mapping, so the
-# split pair above would have its second group's context K/V written at the first group's
-# slots, with no error. What a CPU can show with vLLM's own classes is the missing method
-# and the groups the layers would need; nothing here ran vLLM on a GPU.
+# `_layer_group_idx = None`: every drafter layer shares the first draft group's context slot
+# mapping, so the split pair above would have its second group's context K/V written at the
+# first group's slots, with no error. `scripts/vllm_defects/repro_v2_laguna_split_groups.py`
+# runs V2's own `set_attn` and `_precompute_context_kv` on the CPU and shows the slots each
+# layer gets; nothing here ran vLLM on a GPU. Below, the missing method and the groups:
 
 # %%
 from vllm.model_executor.models.laguna_dflash import DFlashLagunaForCausalLM  # noqa: E402
@@ -256,8 +257,8 @@ from vllm.model_executor.models.qwen3_dflash import DFlashQwen3ForCausalLM  # no
 for cls in (DFlashQwen3ForCausalLM, DFlashLagunaForCausalLM):
     print(f"{cls.__name__:24s} defines get_draft_kv_cache_layer_names: {hasattr(cls, 'get_draft_kv_cache_layer_names')}")
 split = drafter_kv_groups(target_path(), drafter_path())
-print(f"the shipped drafter's layers sit in {len(split)} groups; without the method, V2 uses group 0's slot mapping "
-      "for every layer (speculator.py:290-312)")
+print(f"the shipped drafter's layers sit in {len(split)} groups; without the method, V2 uses the first draft "
+      "group's slot mapping for every layer (speculator.py:290-312, 379-395)")
 
 # %% [markdown]
 # **General and packed layouts.** The layout says how pages sit in memory.
