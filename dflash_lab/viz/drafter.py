@@ -94,10 +94,12 @@ def layer_table_html(layers) -> str:
 
 
 def rope_table_html(rows) -> str:
-    """``config.rope_resolution_table`` rows: θ in the file vs θ vLLM serves, flagged when they differ."""
+    """``config.rope_resolution_table`` rows: θ in the file vs θ vLLM serves, which key supplied it,
+    flagged when they differ."""
     body = []
     for r in rows:
         flag = '<b style="color:#D55E00">⚠ differs from the file</b>' if r["differs"] else "same"
         in_file = "—" if r["rope_theta_in_file"] is None else f"{float(r['rope_theta_in_file']):g}"
-        body.append((r["layer_type"], in_file, f"{r['rope_theta_served']:g}", f"{r['partial_rotary_factor']:g}", flag))
-    return html_table(["layer type", "θ in config.json", "θ vLLM serves", "partial rotary", ""], body)
+        body.append((r["layer_type"], in_file, f"{r['rope_theta_served']:g}", f"{r['partial_rotary_factor']:g}",
+                     html.escape(r.get("rope_from", "")), flag))
+    return html_table(["layer type", "θ in config.json", "θ vLLM serves", "partial rotary", "from", ""], body)

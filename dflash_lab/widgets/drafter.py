@@ -127,7 +127,8 @@ def drafter_config_explorer(config: dict, *, target_config=None) -> widgets.VBox
                            else "sees the whole block (not causal)"))
         details.value = (viz.layer_table_html(resolved_layers(d, cfg, names))
                          + '<div style="font-size:12px;margin-top:4px">RoPE as vLLM loads the file '
-                         "(transformers' LagunaConfig):</div>" + viz.rope_table_html(rope_resolution_table(d)))
+                         "(transformers' LagunaConfig, then each layer's pick, laguna.py:365-400):</div>"
+                         + viz.rope_table_html(rope_resolution_table(d)))
         tensors.value = viz.parameter_table_html(rows)
         return viz.parameter_bars_figure(rows, title=f"{cfg.num_hidden_layers} × {cfg.layer_type}, gating="
                                                      f"{cfg.gating!r}: {sum(r[2] for r in rows):,} parameters")
