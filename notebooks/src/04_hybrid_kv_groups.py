@@ -81,8 +81,9 @@ print("vLLM", kv_specs.vllm_version())
 
 # %% [markdown]
 # Small helpers keep the cells short. `group` runs vLLM's grouping plus #55390's
-# rules (the seed's, unless `rules="vllm-0.33"`) and prints one line per group (`*` marks a layer whose spec carries the draft
-# marker, `<- draft group` a flagged group); `engine` does the same with vLLM 0.33's
+# rules (the seed's, unless `rules="vllm-0.33"`) and prints one line per group (`*`
+# marks a layer whose spec carries the draft marker, `<- draft group` a flagged group);
+# `engine` does the same with vLLM 0.33's
 # engine-level annotation and nothing else; `draw` turns groups into a figure: one row
 # per group, one cell per layer, coloured by spec kind.
 
@@ -601,8 +602,8 @@ _ = group(laguna, "dflash", "laguna", hybrid_manager_disabled=True)
 # ## 5 · Explore
 #
 # Pick a model (the Poolside pairs first), a method, a layout, and who flags the draft
-# group: #55390 as the seed states it, #55390 behind 0.33's gate, or vLLM 0.33's engine alone. For the
-# MTP models you can switch the runtime marker on; for the toy pair, the drafter's
+# group: #55390 as the seed states it, #55390 behind 0.33's gate, or vLLM 0.33's engine
+# alone. For the MTP models you can switch the runtime marker on; for the toy pair, the drafter's
 # layer types. vLLM 0.33 cannot disable the hybrid manager for the Mamba hybrid or the
 # DeepSeek shape; there the control is greyed out and unticked, and the line under the
 # controls says why, so the figure always shows what was run.
