@@ -131,8 +131,7 @@ def test_evaluation_replay_counts_what_the_eager_loop_counts(shipped, eager):
 def test_gpu_graphed_fast_path_equals_the_eager_loop_for_every_drafter(name):
     target, paper, tok = load_default_pair("cuda", dtype=torch.float32)
     poolside = load_default_pair("cuda", dtype=torch.float32, drafter="poolside")[1]
-    drafter = {"paper": paper, "poolside": poolside,
-               "sliding-noncausal-w8": sliding_non_causal(poolside.cpu()).cuda()}[name]
+    drafter = {"paper": paper, "poolside": poolside}.get(name) or sliding_non_causal(poolside).cuda()
     prompts = [torch.tensor(tok(p["text"])["input_ids"][-n:]).cuda() for p, n in zip(heldout_prompts(), LENGTHS)]
     want = [speculative_generate(target, drafter, p, max_new_tokens=MAX_NEW, block_size=BLOCK) for p in prompts]
     fast_decoder.clear_decoder_cache()
