@@ -83,3 +83,29 @@ def test_the_package_docstring_lists_every_module():
     top = {name.split(".")[1] for name in modules() if name.count(".") >= 1}
     assert top - listed == set(), f"modules missing from dflash_lab/__init__.py: {sorted(top - listed)}"
     assert listed - top == set(), f"listed but not in the package: {sorted(listed - top)}"
+
+
+def _package_files_mentioning(text: str) -> set[str]:
+    return {name for name, file in modules().items() if text in file.read_text()}
+
+
+def test_attention_and_the_accept_rule_are_each_written_once():
+    """One algorithm: every backend attends through layers.gqa_attention and accepts through sampling."""
+    assert _package_files_mentioning("scaled_dot_product_attention(") == {"dflash_lab.layers"}
+    assert _package_files_mentioning(".cumprod(") == {"dflash_lab.spec_decode.sampling"}
+    assert _package_files_mentioning("def visible_keys(") == {"dflash_lab.drafter"}
+
+
+def test_the_kv_cache_modules_and_the_fast_backend_are_sub_packages():
+    names = set(modules())
+    assert not {n for n in names if n.startswith("dflash_lab.kv_")} - {n for n in names if n.startswith("dflash_lab.kv_cache")}
+    assert {"dflash_lab.spec_decode.fast.static_target", "dflash_lab.spec_decode.fast.static_drafter",
+            "dflash_lab.spec_decode.fast.triton_ops", "dflash_lab.spec_decode.fast.cuda_graphs",
+            "dflash_lab.spec_decode.fast.context_kv_kernel", "dflash_lab.spec_decode.fast.decoder"} <= names
+    assert "dflash_lab.spec_decode.metrics" in names and "dflash_lab.metrics" not in names
+
+
+def test_the_package_inits_that_lower_modules_import_through_run_nothing():
+    """context_kv imports spec_decode.fast.context_kv_kernel: the two package inits on the way must import nothing."""
+    graph = import_graph()
+    assert graph["dflash_lab.spec_decode"] == set() and graph["dflash_lab.spec_decode.fast"] == set()

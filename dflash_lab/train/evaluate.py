@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 from .. import corpus
 from ..checkpoint import load_drafter
 from ..runtime import load_tokenizer, resolve_device
-from ..spec_decode.sampling import greedy_accept
+from ..spec_decode.sampling import greedy_accept, greedy_accept_batch
 from ..spec_decode.stats import SpecDecodeStats
 from ..target import load_target, target_forward
 from .common import LOG_NAME, Clock, freeze, greedy_generate, write_log
@@ -108,8 +108,9 @@ def evaluate_acceptance(target, drafter, tokenizer, prompts: list[dict], *, bloc
             k = bs - 1
             drafts = drafts_at_every_anchor(target, drafter, g, P, max_new_tokens, bs)  # (max_new_tokens, k)
             replay_greedy_decoding(g, drafts, P, max_new_tokens, stats[bs])
-            truth = torch.stack([g[P + a + 1: P + a + 1 + k] for a in range(max_new_tokens)])
-            every_anchor[bs] += (drafts == truth).long().cumprod(1).sum(0).double().cpu()
+            argmax = torch.stack([g[P + a + 1: P + a + 2 + k] for a in range(max_new_tokens)])  # the target after each anchor
+            n, _ = greedy_accept_batch(drafts, argmax)  # every anchor's draft, verified as the decoder would
+            every_anchor[bs] += (torch.arange(k, device=n.device) < n[:, None]).sum(0).double().cpu()
     return {bs: AcceptanceEval(bs, max_new_tokens, len(prompts), s,
                                (every_anchor[bs] / (max_new_tokens * len(prompts))).tolist())
             for bs, s in stats.items()}
