@@ -22,6 +22,7 @@ The package follows the data path of one DFlash step, a module per step, in this
     corpus       the training corpus and its held-out split by file path
     train        the recipe: tokenizer, target, self-distillation data, the objective, evaluation
     repro        offline, reproducible runs (network guard, rounding for nbval)
+    measure      timing the paths: what chapters time live and the benchmark CLIs write
     tools        benchmarks, the notebook report writer, comparison CLIs
 """
 

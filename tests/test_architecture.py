@@ -109,3 +109,20 @@ def test_the_package_inits_that_lower_modules_import_through_run_nothing():
     """context_kv imports spec_decode.fast.context_kv_kernel: the two package inits on the way must import nothing."""
     graph = import_graph()
     assert graph["dflash_lab.spec_decode"] == set() and graph["dflash_lab.spec_decode.fast"] == set()
+
+
+def test_chapters_import_nothing_from_tools():
+    """tools/ holds command lines; what a chapter runs lives in the package (measure/ for timings)."""
+    sources = sorted((PACKAGE.parent / "notebooks" / "src").glob("*.py"))
+    assert sources
+    def imports_tools(file):
+        for node in ast.walk(ast.parse(file.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("dflash_lab"):
+                if node.module.startswith("dflash_lab.tools") or any(a.name == "tools" for a in node.names):
+                    return True
+            if isinstance(node, ast.Import) and any(a.name.startswith("dflash_lab.tools") for a in node.names):
+                return True
+        return False
+
+    offenders = [f.name for f in sources if imports_tools(f)]
+    assert not offenders, f"chapters importing dflash_lab.tools: {offenders}"

@@ -11,99 +11,18 @@ and context_kv_diagnostics.json (errors, compile time, the epilogue's GB/s).
 
 from __future__ import annotations
 
-import functools
 import json
 import math
-import time
 from pathlib import Path
 
 import torch
 
-from ..spec_decode.fast import context_kv_kernel as kernels
-from ..context_kv import build_context_kv_buffers, context_kv_agreement, context_kv_batched
-from ..drafter import DFlashLagunaDrafter
+from ..context_kv import build_context_kv_buffers, context_kv_agreement
 from ..runtime import BENCHMARKS_DIR, device_name, resolve_device
-from .bench_common import XS2, graphed_ms, time_ms, write_results, xs2_drafter
-
-# What is timed: the three paths of context_kv.py, two variants, and the floor.
-TIMED_PATHS = ("reference", "batched", "batched_compiled", "folded", "folded_triton", "gemm_floor")
-
-
-def context_kv_paths(drafter: DFlashLagunaDrafter, *, compiled: bool, fused: bool) -> dict:
-    """name -> fn(context, positions) for every path this machine can run."""
-    paths = {
-        "reference": lambda x, p: drafter.precompute_context_kv(x, p, "reference"),
-        "batched": lambda x, p: drafter.precompute_context_kv(x, p, "batched"),
-        "folded": lambda x, p: drafter.precompute_context_kv(x, p, "folded", fused=False),
-    }
-    if fused:
-        paths["folded_triton"] = lambda x, p: drafter.precompute_context_kv(x, p, "folded", fused=True)
-    if compiled:
-        paths["batched_compiled"] = torch.compile(functools.partial(context_kv_batched, drafter))
-
-    weights = {}
-
-    def gemm_floor(x, p):  # the folded path's one GEMM and nothing else: what no path can beat
-        if x.dtype not in weights:
-            weights[x.dtype] = build_context_kv_buffers(drafter, x.device, x.dtype)["folded_weight"]
-        return x @ weights[x.dtype].T
-
-    paths["gemm_floor"] = gemm_floor
-    return paths
-
-
-def run_context_kv(*, layers, contexts, device, dtype, compiled: bool, fused: bool, progress=print,
-                   checkpoint=None, **shape) -> tuple[list, list]:
-    """Time every path at every (layers, context); return (records, diagnostics).
-
-    checkpoint(records, diagnostics), if given, runs after each drafter depth (partial results survive a timeout).
-    """
-    name = device_name(device)
-    records, diagnostics = [], []
-    for L in layers:
-        drafter = xs2_drafter(L, device, dtype, **shape)
-        paths = context_kv_paths(drafter, compiled=compiled, fused=fused)
-        cfg = drafter.config
-        # Largest context first: torch.compile specialises on the first shape it sees
-        # (the one the targets are set at), then turns dynamic for the others.
-        for N in sorted(contexts, reverse=True):
-            g = torch.Generator(device).manual_seed(N)
-            x = torch.randn(N, cfg.hidden_size, device=device, generator=g).to(dtype)
-            pos = torch.arange(N, device=device)
-            with torch.no_grad():
-                ref = paths["reference"](x, pos)
-                diag = {"layers": L, "context": N}
-                for path, fn in paths.items():
-                    t0 = time.perf_counter()
-                    out = fn(x, pos)  # first call: compiles where there is something to compile
-                    if path not in ("reference", "gemm_floor"):
-                        agree = context_kv_agreement(out, ref)
-                        diag[f"{path}_err"] = {"max": agree["max_err"], "mean": agree["mean_err"], "ok": agree["ok"]}
-                        del agree
-                    if path == "batched_compiled":
-                        diag["compile_s"] = round(time.perf_counter() - t0, 1)
-                    del out
-                    ms = time_ms(lambda: fn(x, pos), device, budget_s=0.3)
-                    records.append({"path": path, "layers": L, "context": N, "ms": round(ms, 4), "device": name})
-                    progress(f"  L={L} N={N:>6} {path:17s} {ms:9.3f} ms")
-                if fused:  # the epilogue alone: how close to the memory system is it?
-                    bufs = build_context_kv_buffers(drafter, device, dtype)
-                    kv = (x @ bufs["folded_weight"].T).view(N, L, 2, cfg.num_key_value_heads, cfg.head_dim)
-                    rstd = kernels.row_rstd(x, cfg.rms_norm_eps)
-                    ep = time_ms(lambda: kernels.knorm_rope_split(kv, bufs["k_norm_weights"], pos, cfg, row_scale=rstd), device)
-                    rs = time_ms(lambda: kernels.row_rstd(x, cfg.rms_norm_eps), device)
-                    nbytes = kernels.epilogue_bytes(N, L, cfg.num_key_value_heads, cfg.head_dim, dtype)
-                    diag.update(epilogue_ms=round(ep, 4), epilogue_GBps=round(nbytes / ep / 1e6, 1), row_rstd_ms=round(rs, 4))
-                    del kv
-                diagnostics.append(diag)
-            del x, ref
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-        del drafter, paths
-        if checkpoint is not None:
-            checkpoint(records, diagnostics)
-    return records, diagnostics
-
+from ..spec_decode.fast import context_kv_kernel as kernels
+from ..measure.context_kv import TIMED_PATHS, context_kv_targets, lookup_ms, run_context_kv
+from ..measure.timing import XS2, graphed_ms, time_ms, xs2_drafter
+from .bench_common import write_results
 
 # ---------------------------------------------------------------------------
 # Small N: the decode-time regime (context K/V of the newly accepted tokens only)
@@ -179,30 +98,6 @@ def small_n_markdown(records) -> list[str]:
     return lines
 
 
-def _lookup(records, path, L, N):
-    for r in records:
-        if (r["path"], r["layers"], r["context"]) == (path, L, N):
-            return r["ms"]
-    return None
-
-
-def context_kv_targets(records, L: int = 5, N: int = 32768) -> list[dict]:
-    """The issue's three targets at (L, N): measured ratio, goal, met?"""
-    t = {p: _lookup(records, p, L, N) for p in TIMED_PATHS}
-    out = []
-    for what, num, den, goal, higher in [
-        ("reference / folded_triton", "reference", "folded_triton", 4.0, True),
-        ("batched_compiled / folded_triton", "batched_compiled", "folded_triton", 1.5, True),
-        ("folded_triton / gemm_floor", "folded_triton", "gemm_floor", 1.25, False),
-    ]:
-        if t[num] is None or t[den] is None:
-            continue
-        ratio = t[num] / t[den]
-        out.append({"ratio": what, "value": round(ratio, 3), "goal": f"{'>=' if higher else '<='} {goal}",
-                    "met": ratio >= goal if higher else ratio <= goal})
-    return out
-
-
 def context_kv_markdown(records, diagnostics=(), *, dtype="bfloat16", command="",
                         shapes_note="drafter hidden 2048, 8 KV heads x head_dim 128 (Laguna-XS.2 shapes)") -> str:
     """A table of median times per path and the ratios that matter."""
@@ -220,7 +115,7 @@ def context_kv_markdown(records, diagnostics=(), *, dtype="bfloat16", command=""
         "|---|---|" + "---|" * (len(paths) + 3),
     ]
     for L, N in shapes:
-        t = {p: _lookup(records, p, L, N) for p in paths}
+        t = {p: lookup_ms(records, p, L, N) for p in paths}
         ratio = lambda a, b: f"{t[a] / t[b]:.2f}" if t.get(a) and t.get(b) else "-"  # noqa: E731
         cells = [f"{t[p]:.3f}" if t[p] is not None else "-" for p in paths]
         lines.append(f"| {L} | {N} | " + " | ".join(cells) + f" | {ratio('reference', 'folded_triton')} | "

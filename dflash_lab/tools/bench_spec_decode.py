@@ -30,7 +30,8 @@ from ..assets import heldout_prompts, load_default_pair
 from ..runtime import BENCHMARKS_DIR, device_name, resolve_device, synchronized_time
 from ..spec_decode import SpecDecodeStats, speculative_generate
 from .bench_common import write_results
-from .bench_fast_decode import fast_markdown, measure_fast_decoding, phase_breakdown, speedups
+from ..measure.decoding import measure_fast_decoding, phase_breakdown, speedups
+from .bench_fast_decode import fast_markdown
 from .bench_xs2 import layer_read_floor_ms, project_graphed, xs2_graphed_times
 
 # ---------------------------------------------------------------------------

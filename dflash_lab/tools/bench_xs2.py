@@ -28,7 +28,7 @@ from ..drafter import with_window
 from ..spec_decode import crop_cache
 from ..spec_decode.fast.static_drafter import StaticDrafter
 from ..spec_decode.fast.static_target import StaticTarget
-from .bench_common import graphed_ms, kernel_ms, time_ms, xs2_drafter
+from ..measure.timing import graphed_ms, kernel_ms, time_ms, xs2_drafter
 
 
 def build_xs2_target(n_layers: int, context: int, device, **config_overrides) -> LagunaForCausalLM:

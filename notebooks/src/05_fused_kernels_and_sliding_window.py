@@ -71,7 +71,7 @@ from dflash_lab.repro import rounded
 from dflash_lab.runtime import REPO_ROOT, seed_everything
 from dflash_lab.spec_decode import generate_on_prompts
 from dflash_lab.target import target_forward
-from dflash_lab.tools import bench_context_kv, bench_fast_decode
+from dflash_lab.measure import context_kv as bench_context_kv, decoding as bench_fast_decode
 from dflash_lab.widgets import fused_kernel_explorer, window_acceptance_explorer
 
 seed_everything(0)
