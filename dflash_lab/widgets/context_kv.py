@@ -67,7 +67,7 @@ def sliding_window_explorer(*, context_len: int = 24, block_size: int = 8, windo
     """
     sliding = widgets.Checkbox(value=True, description="sliding window", indent=False,
                                layout=widgets.Layout(width="auto"))
-    size = widgets.IntSlider(value=window, min=1, max=context_len + block_size, description="window", style=WIDE)
+    size = widgets.IntSlider(value=window, min=1, max=context_len + block_size, description="size", style=WIDE)
     is_causal = widgets.Checkbox(value=sliding.value if causal is None else causal, indent=False,
                                  description="causal inside the block (vLLM: sliding layers are)",
                                  disabled=causal is not None, layout=widgets.Layout(width="auto"))

@@ -47,6 +47,8 @@ from dflash_lab.assets import default_device, load_default_pair
 from dflash_lab.config import DFlashDrafterConfig
 from dflash_lab.context_kv import context_kv_agreement
 from dflash_lab.drafter import DFlashLagunaDrafter, dflash_attention_mask
+from dflash_lab.layers import apply_rope, rope_tables
+from dflash_lab.spec_decode import DFlashContext
 from dflash_lab.runtime import seed_everything
 from dflash_lab.target import build_target, target_forward, target_layer_ids_spread, tiny_laguna_config
 from dflash_lab.widgets import CONTEXT_KV_DTYPES, context_kv_path_explorer, sliding_window_explorer
@@ -115,6 +117,46 @@ L, nkv, hd = cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim
 print("tokens:", input_ids.shape[1])
 print("K is (layers, positions, KV heads, head dim):", tuple(k.shape) == (L, T, nkv, hd))
 print("V is (layers, positions, KV heads, head dim):", tuple(v.shape) == (L, T, nkv, hd))
+
+# %% [markdown]
+# **The reference path, written out.** `path="reference"` is the formula above as a loop over
+# the drafter's layers; here it is again in the chapter, and it gives the same numbers bit for bit:
+
+# %%
+def context_kv_by_hand(context, positions):
+    cos, sin = rope_tables(cfg, positions, context.dtype)  # (partial) RoPE at these absolute positions
+    ks, vs = [], []
+    for layer in drafter.layers:
+        attn, x = layer.self_attn, layer.input_layernorm(context)  # RMSNorm_l(x): (T, H)
+        bias = None if attn.qkv_proj.bias is None else attn.qkv_proj.bias[attn.q_size:]
+        k_raw, v_l = F.linear(x, attn.qkv_proj.weight[attn.q_size:], bias).unflatten(-1, (2, nkv, hd)).unbind(-3)
+        ks.append(apply_rope(attn.k_norm(k_raw), cos, sin))  # K-norm per head, then RoPE: (T, nkv, hd)
+        vs.append(v_l)  # V as projected
+    return torch.stack(ks), torch.stack(vs)  # (L, T, nkv, hd) each
+
+# %%
+with torch.no_grad():
+    k_hand, v_hand = context_kv_by_hand(context, positions)
+print("by hand == precompute_context_kv(path='reference'):", torch.equal(k_hand, k) and torch.equal(v_hand, v))
+
+# %% [markdown]
+# **One append after an accepted step.** During decoding the context grows a step at a time.
+# Say the target has read positions 0 … 39, and the next step verified `x_40` plus 7 drafts and
+# kept 3 of them: positions 40 … 43 are now part of the sequence (the correction token is
+# position 44, and the target reads it with the next block). The drafter's context K/V gets
+# those 4 positions appended, computed from their own target features; the 40 positions
+# before are not touched. `DFlashContext` is the store the lab's loop keeps (absolute slots,
+# like vLLM's cache), filled here with the default (folded) path:
+
+# %%
+store = DFlashContext(drafter, T, device, context.dtype)
+with torch.no_grad():
+    store.append(drafter, features.aux_hidden[0, :40])  # the prefill: positions 0 .. 39
+    store.append(drafter, features.aux_hidden[0, 40:44])  # one accepted step: x_40 and 3 kept drafts
+k_store, v_store = store.kv()
+print("context length after the append:", store.length, "| K/V shape:", tuple(k_store.shape))
+print("agrees with the reference over positions 0 .. 43 at once (context_kv_agreement):",
+      context_kv_agreement((k_store, v_store), (k[:, :44], v[:, :44]))["ok"])
 
 # %% [markdown]
 # ## 2 · Norms per layer and position
@@ -274,8 +316,14 @@ print(f"- K-norm makes K's size independent of the context: along the positions,
 for dtype_name in CONTEXT_KV_DTYPES:
     found = {path: agreements[dtype_name, path] for path in ("batched", "folded")}
     print(f"- {dtype_name}: all paths agree with the reference: {all(a['ok'] for a in found.values())}; largest "
-          f"deviation " + ", ".join(f"{path} {deviation(a['max_err'], dtype_name)}" for path, a in found.items())
-          + f" (bound {found['folded']['max_tol']:.2g}).")
+          f"deviation " + ", ".join(f"{path} {deviation(a['max_err'], dtype_name)}"
+                                    + (f" ({a['max_err'] / a['max_tol']:.0%} of the bound)" if a['max_err'] else "")
+                                    for path, a in found.items())
+          + f"; bound {found['folded']['max_tol']:.3g}.")
+bf16_step = 2.0 ** (math.floor(math.log2(max(r.abs().max().item() for r in (k, v)))) - 7)  # at the largest |K|,|V|
+print(f"- In bfloat16 a deviation is a whole number of rounding steps ({bf16_step:.3g} at the largest |K|, |V| here): "
+      f"the worst is {max(agreements['bfloat16', p]['max_err'] for p in ('batched', 'folded')) / bf16_step:.1f} "
+      f"step(s), and the bound allows {agreements['bfloat16', 'folded']['max_tol'] / bf16_step:.1f}.")
 seen = masks[True, 8][:, :24].sum(-1)
 print(f"- A causal sliding window of 8 hides context from queries, not from the cache: block queries see "
       f"{seen.max().item()} down to {seen.min().item()} of 24 context keys, while the store keeps K/V for all "
