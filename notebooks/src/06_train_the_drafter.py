@@ -39,9 +39,11 @@ from dflash_lab import train, viz
 from dflash_lab.assets import DRAFTERS, default_device, heldout_prompts, load_default_pair
 from dflash_lab.checkpoint import load_drafter, save_drafter
 from dflash_lab.config import DFlashDrafterConfig
+from dflash_lab.drafter import DFlashLagunaDrafter
 from dflash_lab.repro import rounded
 from dflash_lab.runtime import seed_everything
 from dflash_lab.spec_decode import SpecDecodeStats, generate_on_prompts
+from dflash_lab.target import target_forward
 from dflash_lab.train.evaluate import AcceptanceProbe
 from dflash_lab.train.live import distill_small, drafter_train_config, train_live
 from dflash_lab.widgets import drafter_training_explorer
@@ -123,6 +125,57 @@ print("block tokens:   ", ["MASK" if t == tokenizer.mask_token_id else "x_p" for
 print("block positions:", positions[0].tolist())
 print("label positions:", train.label_positions(anchors, B)[0, 0].tolist(), "(the target's prediction made there)")
 print("loss weights:   ", rounded(train.position_weights(B, gamma=RUN["gamma"]).tolist(), 2), f"(gamma {RUN['gamma']})")
+
+# %% [markdown]
+# **The loss on this block, written out.** The target reads the sequence up to the block's
+# last label position; its features of positions `< p` are the drafter's context, and its
+# logits at `p … p+B−2` are the soft labels. The drafter drafts the block in one forward (as in
+# chapter 3's loop), and each block position gets a cross-entropy to the target's
+# distribution: `−Σ_v p_target(v) log q_drafter(v)`. The loss is their weighted mean.
+
+# %%
+ids, anchors = ids.to(device), anchors.to(device)
+p, layers = int(anchors[0, 0]), shipped_drafter.config.target_layer_ids
+with torch.no_grad():
+    seen = target_forward(target, ids[:, :p + B - 1], layers, use_cache=False)  # positions 0 .. p+B-2
+target_logits = seen.logits[0, p:p + B - 1]  # (B-1, V): the target's predictions AT p .. p+B-2
+weights = train.position_weights(B, gamma=RUN["gamma"], device=device)  # (B-1,)
+
+
+@torch.no_grad()
+def block_loss(drafter):
+    """(per-position cross-entropy (B-1,), weighted loss) of ``drafter`` on this one block."""
+    k, v = drafter.precompute_context_kv(drafter.combine_hidden_states(seen.aux_hidden[0, :p]),
+                                         torch.arange(p, device=device))  # context: positions < p
+    block_ids = torch.tensor([[int(ids[0, p])] + [drafter.config.mask_token_id] * (B - 1)], device=device)
+    hidden = drafter(target.get_input_embeddings()(block_ids), torch.arange(p, p + B, device=device)[None],
+                     k, v, torch.arange(p, device=device))  # (1, B, H)
+    draft_logits = target.lm_head(hidden[0, 1:])  # (B-1, V): block position j guesses token p+j
+    ce = -(target_logits.softmax(-1) * draft_logits.log_softmax(-1)).sum(-1)  # (B-1,)
+    return ce, float((ce * weights).sum() / weights.sum())
+
+# %% [markdown]
+# The shipped drafter against an untrained one of the same shape, and each checked against the
+# package's objective (`draft_logits_for` drafts every block of a batch in one forward,
+# `dflash_loss` weighs the cross-entropies), which the training loop below calls:
+
+# %%
+torch.manual_seed(0)
+untrained = DFlashLagunaDrafter(shipped_drafter.config).to(device).eval()  # same shape, random weights
+aux, labels = train.target_soft_labels(target, ids, anchors, layers, B)  # (1, T, .), (1, 1, B-1, V)
+ces = {}  # drafter -> per-position cross-entropy on this block
+for name, d in {"shipped (trained)": shipped_drafter, "untrained": untrained}.items():
+    ces[name], loss = block_loss(d)
+    with torch.no_grad():
+        package, _ = train.dflash_loss(train.draft_logits_for(target, d, ids, anchors, aux, B)[:, :, 1:], labels, weights)
+    print(f"{name:17s} cross-entropy per position {rounded(ces[name].tolist(), 2)} -> loss {loss:.3f}; "
+          f"dflash_loss {float(package):.3f}; same: {abs(loss - float(package)) < 1e-4 * max(1.0, loss)}")
+print("the shipped drafter's cross-entropy is lower at every block position:",
+      bool((ces["shipped (trained)"] < ces["untrained"]).all()))
+
+# %% [markdown]
+# Training lowers this number, averaged over many blocks at random anchors. The first
+# positions weigh most, so they improve first: §5 shows it in the acceptance they lead to.
 
 # %% [markdown]
 # ## 4 · A held-out yardstick, cheap enough to use while training
