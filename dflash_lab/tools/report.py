@@ -126,11 +126,13 @@ def execute_notebook(
         nb.cells.append(nbformat.v4.new_code_cell(FIGURE_DUMP_CELL, id="dflash-lab-figure-dump"))
     n_code = sum(c.cell_type == "code" for c in nb.cells)
     bar = tqdm(total=n_code, desc=path.stem, unit="cell", position=position, leave=True, dynamic_ncols=True)
-    current = {"index": None}
+    current = {"index": None, "code": 0}
 
-    def on_cell_start(cell, cell_index, **_):
+    def on_cell_start(cell, cell_index, **_):  # nbclient calls it for every cell, markdown too
         current["index"] = cell_index
-        bar.set_postfix_str(f"cell {cell_index}")
+        if cell.cell_type == "code":  # the bar counts code cells, so the postfix names the code cell it runs
+            current["code"] += 1
+            bar.set_postfix_str(f"code cell {current['code']} of {n_code} (notebook cell {cell_index})")
 
     def on_cell_executed(cell, cell_index, **_):
         bar.update(1)

@@ -463,8 +463,10 @@ for causal, window, label in ((cfg.is_causal, cfg.window, "this drafter: full at
 # choice from its one [verification](GLOSSARY.md#verification) forward, which guesses were
 # accepted, the first rejection, the [correction](GLOSSARY.md#correction-token) or
 # [bonus](GLOSSARY.md#bonus-token) token, and how many target forwards the step saved. The
-# grid beside it is this drafter's attention inside the block. Chapter 3 measures this over
-# many prompts.
+# grid beside it is this drafter's attention inside the block. Step 0 is the prefill (the target
+# reads the prompt and says the first new token; nothing is drafted); the slider opens on the
+# first step that keeps some drafts and then rejects one, the step printed below the figure.
+# Chapter 3 measures this over many prompts.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -474,9 +476,11 @@ run = speculative_generate(target_t, drafter_t, prompt_ids, max_new_tokens=32, b
 step_through(run, tokenizer, drafter=drafter_t, title="The shipped pair, block 8, greedy")
 
 # %%
-first = run.steps[1]
-print(f"step 1: drafted {len(first.draft_ids)}, accepted {first.num_accepted}, emitted {len(first.token_ids)} "
-      f"tokens for one target forward")
+shown = next((i for i, st in enumerate(run.steps) if 0 < st.num_accepted < len(st.draft_ids)), 1)  # the slider opens here
+first = run.steps[shown]
+print(f"step 0: the prefill, {len(run.steps[0].draft_ids)} drafted, emitted {len(run.steps[0].token_ids)} token")
+print(f"step {shown} (the slider's first): drafted {len(first.draft_ids)}, accepted {first.num_accepted}, emitted "
+      f"{len(first.token_ids)} tokens for one target forward")
 print(f"whole run: {run.stats.num_generated_tokens} tokens in {run.stats.num_target_forwards} target forwards, "
       f"tau {run.stats.mean_acceptance_length:.2f}")
 
@@ -499,8 +503,9 @@ print(f"- vLLM refuses {len(cases)} kinds of broken config; a drafter pairs with
       "layer ids, mask token and widths fit.")
 print(f"- It registers as {drafter.attention_layer_names()[0]} ... after the target's {target_config.num_hidden_layers} "
       "layers; the lab's config.json is read by vLLM 0.33 unchanged.")
-print(f"- One step of the trained pair: {len(first.draft_ids)} drafted in one drafter forward, {first.num_accepted} "
-      f"accepted by one target forward; over the run, tau {run.stats.mean_acceptance_length:.2f}.")
+print(f"- One step of the trained pair (step {shown}): {len(first.draft_ids)} drafted in one drafter forward, "
+      f"{first.num_accepted} accepted by one target forward; over the run (one prompt, 32 new tokens, block 8), "
+      f"tau {run.stats.mean_acceptance_length:.2f}.")
 
 # %% [markdown]
 # **Where next.** Chapter 2 opens up step 3, the context K/V: what the three
