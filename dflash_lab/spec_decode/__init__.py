@@ -5,9 +5,13 @@ One file per step, in data-path order (like vLLM's ``v1/spec_decode/``):
     proposers  where drafts come from: DFlash (context K/V + one drafter forward
                per block) and prompt lookup (vLLM's ``ngram``, no model)
     sampling   the accept rules, the one home of each: logits -> probabilities,
-               batched greedy accept, rejection sampling
+               batched greedy accept, rejection sampling, and vLLM's other
+               rejection_sample_methods (block verification, FLy, synthetic)
     stats      ``SpecDecodeStats``: vLLM's acceptance counters (the only place they are kept)
     metrics    the same counters read from (and written as) a vLLM /metrics page
+    acceptance one run reported every community's way (vLLM's τ and rates, conditional
+               rates, the length histogram, SGLang's accept length, a trainer's
+               teacher-forced length, τ at its ceiling) and how to convert between them
     loop       ``speculative_generate``: argument checks, the target's KV cache
                and verification forward, and the draft -> verify -> accept loop
 
@@ -34,6 +38,9 @@ _EXPORTS = {
     # sampling
     "DRAFT_SAMPLE_METHODS": "sampling", "logits_to_probs": "sampling", "sample": "sampling",
     "greedy_accept": "sampling", "greedy_accept_batch": "sampling", "rejection_sample": "sampling",
+    "REJECTION_SAMPLE_METHODS": "sampling", "block_verify": "sampling", "fly_accept": "sampling",
+    "fly_entropy": "sampling", "synthetic_accept": "sampling", "make_verifier": "sampling", "Verifier": "sampling",
+    "unconditional_to_conditional_rates": "sampling", "acceptance_length_to_rates": "sampling",
     # stats and /metrics
     "SpecDecodeStats": "stats", "stats_from_prometheus_text": "metrics", "prometheus_text": "metrics",
     # loop

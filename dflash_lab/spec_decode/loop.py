@@ -35,7 +35,7 @@ from ..drafter import DFlashLagunaDrafter
 from ..runtime import synchronized_time
 from ..target import target_forward
 from .proposers import DFlashContext, NoDrafter, PromptLookupDrafter, dflash_draft_logits
-from .sampling import DRAFT_SAMPLE_METHODS, greedy_accept, logits_to_probs, rejection_sample, sample
+from .sampling import DRAFT_SAMPLE_METHODS, greedy_accept, logits_to_probs, make_verifier, rejection_sample, sample
 from .stats import SpecDecodeStats
 
 # ---------------------------------------------------------------------------
@@ -253,7 +253,10 @@ def _propose(drafter, target, context: DFlashContext | None, tokens: list[int], 
 @torch.no_grad()
 def speculative_generate(target, drafter, input_ids, *, max_new_tokens: int, block_size: int | None = None,
                          temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
-                         stop_token_ids=None, draft_sample_method: str = "greedy") -> SpecDecodeResult:
+                         stop_token_ids=None, draft_sample_method: str = "greedy",
+                         rejection_sample_method: str = "standard", synthetic_acceptance_rates=None,
+                         synthetic_acceptance_length=None, fly_window_size=None, fly_entropy_threshold: float = 0.3,
+                         fly_entropy_top_k: int = 3) -> SpecDecodeResult:
     """Generate with speculative decoding; the output is distributed exactly as the target's own.
 
     target: a ``LagunaForCausalLM``; its KV cache, embedding table and lm_head are used.
@@ -272,6 +275,12 @@ def speculative_generate(target, drafter, input_ids, *, max_new_tokens: int, blo
         vLLM's option of that name: "greedy" (vLLM's default: the drafter's argmax, q
         one-hot in the accept test) or "probabilistic" (drafts sampled from q). Both are
         lossless; they accept differently. Greedy decoding ignores it.
+    rejection_sample_method: the verification rule, as vLLM's option of that name
+        (``sampling.make_verifier``): "standard" (default), "block" (block verification,
+        lossless), "fly" (FLy's deferred window, lossy; ``fly_window_size`` default
+        min(6, block_size - 2), ``fly_entropy_threshold``, ``fly_entropy_top_k``) or
+        "synthetic" (accept with ``synthetic_acceptance_rates``, one unconditional rate per
+        draft position, or ``synthetic_acceptance_length``; lossy, for load tests).
     Generation also ends when the sequence reaches the target's
     max_position_embeddings.
     """
@@ -284,6 +293,9 @@ def speculative_generate(target, drafter, input_ids, *, max_new_tokens: int, blo
     prompt, block_size, stop = check_generation_args(
         target, drafter, input_ids, max_new_tokens=max_new_tokens, block_size=block_size, temperature=temperature,
         top_p=top_p, top_k=top_k, seed=seed, stop_token_ids=stop_token_ids, draft_sample_method=draft_sample_method)
+    verifier = make_verifier(rejection_sample_method, block_size - 1, synthetic_acceptance_rates=synthetic_acceptance_rates,
+                             synthetic_acceptance_length=synthetic_acceptance_length, fly_window_size=fly_window_size,
+                             fly_entropy_threshold=fly_entropy_threshold, fly_entropy_top_k=fly_entropy_top_k)
     device, dtype = prompt.device, _param(target).dtype
     is_dflash = isinstance(drafter, DFlashLagunaDrafter)
     layer_ids = list(drafter.config.target_layer_ids) if is_dflash else []
@@ -344,10 +356,13 @@ def speculative_generate(target, drafter, input_ids, *, max_new_tokens: int, blo
         stats.num_target_forwards += 1
 
         # 3. Accept a prefix of the draft, then one token from the target.
-        if greedy:
-            n, next_token = greedy_accept(draft, logits.argmax(-1))
+        if verifier.method == "standard":  # the default rule, called as the other backends call it
+            if greedy:
+                n, next_token = greedy_accept(draft, logits.argmax(-1))
+            else:
+                n, next_token = rejection_sample(draft, draft_probs, to_probs(logits), generator)
         else:
-            n, next_token = rejection_sample(draft, draft_probs, to_probs(logits), generator)
+            n, next_token = verifier(draft, draft_probs, logits, to_probs, greedy=greedy, generator=generator)
         if num_draft:
             stats.observe_draft(num_draft, n)
         draft_ids = draft.tolist()

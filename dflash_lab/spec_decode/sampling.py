@@ -11,6 +11,7 @@ leaves every emitted token distributed exactly as the target's own sample.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -112,3 +113,275 @@ def rejection_sample(draft_ids: torch.Tensor, draft_probs: torch.Tensor | None, 
     if residual.sum() <= 0:  # only when p == q up to rounding, where rejection had probability ~0
         residual = target_probs[n]
     return n, int(sample(residual / residual.sum(), generator))
+
+
+# ---------------------------------------------------------------------------
+# vLLM 0.33's other verification rules: block, FLy, synthetic
+# ---------------------------------------------------------------------------
+# vLLM's `SpeculativeConfig.rejection_sample_method` (config/speculative.py:83, :562-590):
+#   "standard"   the rule above (Leviathan et al.), one draft at a time; lossless
+#   "block"      block verification (Sun et al. 2024, arXiv 2403.10444): the draft is verified
+#                jointly; lossless, accepts at least as much (V2 GPU sampler only:
+#                v1/worker/gpu/spec_decode/rejection_sampler.py:177-178 sets it,
+#                rejection_sampler_utils.py `_rejection_kernel` runs it)
+#   "fly"        FLy: a native rejection is deferred when the target is uncertain there and
+#                the next W drafts are natively accepted; LOSSY (v1/spec_decode/fly.py)
+#   "synthetic"  accept position i with a given probability, whatever the tokens; for load
+#                tests, LOSSY (config/speculative.py:571-577, 600-632)
+REJECTION_SAMPLE_METHODS = ("standard", "block", "fly", "synthetic")
+FLY_DEFAULT_ENTROPY_THRESHOLD = 0.3  # config/speculative.py:656
+FLY_DEFAULT_ENTROPY_TOP_K = 3  # config/speculative.py:659
+
+
+def fly_default_window(num_speculative_tokens: int) -> int:
+    """vLLM's default ``fly_window_size``: min(6, num_speculative_tokens - 1) (config/speculative.py:2025)."""
+    return min(6, num_speculative_tokens - 1)
+
+
+def acceptance_length_to_rates(length: float, num_speculative_tokens: int) -> list[float]:
+    """vLLM's ``synthetic_acceptance_length`` -> per-position unconditional rates, its minimum-variance schedule.
+
+    τ - 1 expected accepted drafts: the first floor(τ - 1) positions always, the next with the
+    fractional part, the rest never (config/speculative.py:590-597).
+    """
+    accepted = length - 1
+    full = int(accepted)
+    return ([1.0] * full + [accepted - full] + [0.0] * num_speculative_tokens)[:num_speculative_tokens]
+
+
+def unconditional_to_conditional_rates(rates) -> list[float]:
+    """Per-position unconditional rates r_i (drafts accepted through i / drafts) -> conditional c_i = r_i / r_{i-1}.
+
+    What vLLM's sampler draws against (v1/spec_decode/utils.py:848-851); c_i = 0 where r_{i-1} = 0.
+    """
+    rates = [float(r) for r in rates]
+    return [r / prev if prev > 0 else 0.0 for r, prev in zip(rates, [1.0] + rates[:-1])]
+
+
+def fly_entropy(probs: torch.Tensor, top_k: int = FLY_DEFAULT_ENTROPY_TOP_K) -> torch.Tensor:
+    """FLy's gate, (..., V) probabilities -> (...): -sum p log p over the top_k most likely tokens only.
+
+    Not renormalised, as vLLM's ``compute_fly_entropy`` (v1/spec_decode/fly.py:16-41).
+    """
+    top = probs.float().topk(min(top_k, probs.shape[-1]), dim=-1).values
+    return -torch.where(top > 0, top * top.clamp_min(1e-30).log(), torch.zeros_like(top)).sum(-1)
+
+
+def _one_hot_rows(draft_ids: torch.Tensor, vocab: int) -> torch.Tensor:
+    return F.one_hot(draft_ids, vocab).float()
+
+
+def _correction(target_probs: torch.Tensor, q_rows: torch.Tensor, n: int, generator, *, scale: float = 1.0) -> int:
+    """The token after n kept drafts: the bonus from p_K when n == K, else a draw from (scale·p_n - q_n)+."""
+    K = q_rows.shape[0]
+    if n == K:
+        return int(sample(target_probs[K], generator))
+    residual = (scale * target_probs[n] - q_rows[n]).clamp_min(0)
+    if residual.sum() <= 0:  # the rejection had probability ~0 (p == q up to rounding)
+        residual = target_probs[n]
+    return int(sample(residual / residual.sum(), generator))
+
+
+def block_verify(draft_ids: torch.Tensor, draft_probs: torch.Tensor | None, target_probs: torch.Tensor,
+                 generator: torch.Generator | None = None) -> tuple[int, int]:
+    """Block verification (Sun et al. 2024), as vLLM 0.33's V2 sampler runs it.
+
+    Same arguments and result as ``rejection_sample``. With r_j = p_j(d_j) / q_j(d_j):
+        w_0 = 1, w_j = min(1, w_{j-1} r_j)                 the running joint ratio
+        h_j = m_j / (m_j + 1 - w_j),  m_j = sum_x (w_j p_j+1(x) - q_j+1(x))+   for j < K
+        h_K = w_K
+    one uniform per position; n = the LAST j with u_j <= h_j (0 if none), so a draft that
+    standard sampling would cut at its first rejection can still be kept whole. The next
+    token is the bonus from p_K when n = K, else a draw from (w_n p_n - q_n)+ normalised.
+    Every emitted token is distributed as the target's own, and no lossless rule accepts
+    more in expectation. (vLLM: rejection_sampler_utils.py ``_compute_cumulative_log_p_kernel``,
+    ``_compute_local_residual_mass_kernel``, the ``USE_BLOCK_VERIFICATION`` branch of
+    ``_rejection_kernel`` and of ``_resample_kernel``.)
+    """
+    K, V = draft_ids.shape[0], target_probs.shape[-1]
+    rows = torch.arange(K, device=draft_ids.device)
+    q_rows = draft_probs if draft_probs is not None else _one_hot_rows(draft_ids, V)
+    p = target_probs[rows, draft_ids].double()
+    q = q_rows[rows, draft_ids].double()
+    w, weights = 1.0, []
+    for j in range(K):  # w_j, kept below 1 as vLLM keeps log w <= 0
+        w = min(1.0, w * float(p[j] / q[j])) if q[j] > 0 else 0.0
+        weights.append(w)
+    h = []
+    for j in range(K):
+        if j < K - 1:
+            m = float((weights[j] * target_probs[j + 1].double() - q_rows[j + 1].double()).clamp_min(0).sum())
+            denom = m + 1.0 - weights[j]
+            h.append(m / denom if denom > 0 else 1.0)
+        else:
+            h.append(weights[j])
+    u = torch.rand(K, generator=generator, device=target_probs.device).tolist()
+    n = max([j + 1 for j in range(K) if u[j] <= h[j]], default=0)
+    return n, _correction(target_probs, q_rows, n, generator, scale=weights[n - 1] if n else 1.0)
+
+
+def fly_accept(draft_ids: torch.Tensor, draft_probs: torch.Tensor | None, target_probs: torch.Tensor,
+               entropy: torch.Tensor, *, window: int, threshold: float = FLY_DEFAULT_ENTROPY_THRESHOLD,
+               target_argmax: torch.Tensor | None = None,
+               generator: torch.Generator | None = None) -> tuple[int, int]:
+    """FLy's entropy-gated deferred window, as vLLM 0.33 applies it (v1/spec_decode/fly.py:47-188). LOSSY.
+
+    First each draft gets its native decision: greedy (``target_argmax`` (K+1,) given) d_j ==
+    argmax; sampling u_j q_j(d_j) < p_j(d_j). A native rejection at j is overruled (the draft
+    kept) when the target's top-k entropy there, ``entropy`` (K,), is >= threshold, d_j has
+    p_j(d_j) > 0, j + window < K, and the next ``window`` drafts are all natively accepted.
+    The prefix is then kept up to the first rejection that stands, and the next token is
+    what standard verification gives there (greedy: the argmax; sampling: the residual).
+    """
+    K, V = draft_ids.shape[0], target_probs.shape[-1]
+    rows = torch.arange(K, device=draft_ids.device)
+    p = target_probs[rows, draft_ids]
+    if target_argmax is not None:
+        native = draft_ids == target_argmax[:K]
+    else:
+        q = draft_probs[rows, draft_ids] if draft_probs is not None else torch.ones_like(p)
+        u = torch.rand(K, generator=generator, device=p.device)
+        native = (u * q < p) & (q > 0)
+    later_ok = [bool(native[j + 1:j + 1 + window].all()) for j in range(K)]
+    deferred = [(not native[j]) and bool(p[j] > 0) and j + window < K and float(entropy[j]) >= threshold and later_ok[j]
+                for j in range(K)]
+    kept = (native | torch.tensor(deferred, dtype=torch.bool, device=native.device)).int().cumprod(0)
+    n = int(kept.sum())
+    if target_argmax is not None:
+        return n, int(target_argmax[n])
+    q_rows = draft_probs if draft_probs is not None else _one_hot_rows(draft_ids, V)
+    return n, _correction(target_probs, q_rows, n, generator)
+
+
+def synthetic_accept(draft_ids: torch.Tensor, draft_probs: torch.Tensor | None, target_probs: torch.Tensor,
+                     conditional_rates, *, target_argmax: torch.Tensor | None = None,
+                     generator: torch.Generator | None = None) -> tuple[int, int]:
+    """vLLM's synthetic acceptance: keep draft j with probability conditional_rates[j], whatever the tokens. LOSSY.
+
+    Stops at the first rejection, so drafts accepted through position i / drafts -> the
+    unconditional rate r_i = c_0 c_1 .. c_i. The next token is what standard verification
+    gives there (greedy: the target's argmax; sampling: the residual (p - q)+), the bonus
+    from p_K when every draft was kept (v1/sample/rejection_sampler.py:824-836, 934-956).
+    """
+    K, V = draft_ids.shape[0], target_probs.shape[-1]
+    rates = torch.tensor(list(conditional_rates)[:K], dtype=torch.float32, device=target_probs.device)
+    u = torch.rand(K, generator=generator, device=target_probs.device)
+    n = int((u < rates).int().cumprod(0).sum())
+    if target_argmax is not None:
+        return n, int(target_argmax[n])
+    q_rows = draft_probs if draft_probs is not None else _one_hot_rows(draft_ids, V)
+    return n, _correction(target_probs, q_rows, n, generator)
+
+
+# ---------------------------------------------------------------------------
+# Choosing the rule by vLLM's name, with vLLM's checks
+# ---------------------------------------------------------------------------
+
+
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+@dataclass(frozen=True)
+class Verifier:
+    """One verification rule with its settings; called once per step by the loop.
+
+    Build it with ``make_verifier`` (which checks the settings as vLLM's SpeculativeConfig
+    does). ``conditional_rates`` are what synthetic acceptance draws against.
+    """
+
+    method: str = "standard"
+    conditional_rates: tuple[float, ...] | None = None
+    fly_window_size: int | None = None
+    fly_entropy_threshold: float = FLY_DEFAULT_ENTROPY_THRESHOLD
+    fly_entropy_top_k: int = FLY_DEFAULT_ENTROPY_TOP_K
+
+    @property
+    def lossless(self) -> bool:
+        return self.method in ("standard", "block")
+
+    def __call__(self, draft_ids: torch.Tensor, draft_probs: torch.Tensor | None, target_logits: torch.Tensor,
+                 to_probs, *, greedy: bool, generator: torch.Generator | None = None) -> tuple[int, int]:
+        """Drafts (K,), their q (K, V) or None, the target's logits (K+1, V) -> (drafts kept, next token).
+
+        Greedy decoding: "standard" and "block" are the same rule, the longest prefix that
+        matches the target's argmax (vLLM's greedy branch of both); FLy's entropy is then
+        taken from the unscaled softmax, as vLLM leaves greedy requests' logits unscaled.
+        """
+        if greedy:
+            argmax = target_logits.argmax(-1)
+            if self.method in ("standard", "block"):
+                return greedy_accept(draft_ids, argmax)
+            if self.method == "synthetic":
+                return synthetic_accept(draft_ids, None, target_logits, self.conditional_rates,
+                                        target_argmax=argmax, generator=generator)
+            probs = target_logits.float().softmax(-1)
+            return fly_accept(draft_ids, None, probs, fly_entropy(probs[:-1], self.fly_entropy_top_k),
+                              window=self.fly_window_size, threshold=self.fly_entropy_threshold,
+                              target_argmax=argmax, generator=generator)
+        probs = to_probs(target_logits)
+        if self.method == "standard":
+            return rejection_sample(draft_ids, draft_probs, probs, generator)
+        if self.method == "block":
+            return block_verify(draft_ids, draft_probs, probs, generator)
+        if self.method == "synthetic":
+            return synthetic_accept(draft_ids, draft_probs, probs, self.conditional_rates, generator=generator)
+        return fly_accept(draft_ids, draft_probs, probs, fly_entropy(probs[:-1], self.fly_entropy_top_k),
+                          window=self.fly_window_size, threshold=self.fly_entropy_threshold, generator=generator)
+
+
+def make_verifier(rejection_sample_method: str = "standard", num_speculative_tokens: int = 1, *,
+                  synthetic_acceptance_rates=None, synthetic_acceptance_length=None, fly_window_size=None,
+                  fly_entropy_threshold: float = FLY_DEFAULT_ENTROPY_THRESHOLD,
+                  fly_entropy_top_k: int = FLY_DEFAULT_ENTROPY_TOP_K) -> Verifier:
+    """A ``Verifier`` from vLLM's option names, checked as vLLM 0.33 checks them.
+
+    (config/speculative.py:600-632 for the synthetic rates, :2014-2034 for FLy.) Every error
+    names the argument. num_speculative_tokens = block_size - 1.
+    """
+    method = rejection_sample_method
+    if method not in REJECTION_SAMPLE_METHODS:
+        raise ValueError(f"rejection_sample_method must be one of {list(REJECTION_SAMPLE_METHODS)} (vLLM's "
+                         f"SpeculativeConfig.rejection_sample_method), got {method!r}")
+    n = num_speculative_tokens
+    synthetic_given = synthetic_acceptance_rates is not None or synthetic_acceptance_length is not None
+    if method != "synthetic" and synthetic_given:
+        raise ValueError("synthetic_acceptance_rates / synthetic_acceptance_length are only valid with "
+                         f"rejection_sample_method='synthetic', got rejection_sample_method={method!r}")
+    if method != "fly" and fly_window_size is not None:
+        raise ValueError(f"fly_window_size is only valid with rejection_sample_method='fly', got {method!r}")
+    if not _number(fly_entropy_threshold) or fly_entropy_threshold < 0:
+        raise ValueError(f"fly_entropy_threshold must be a number >= 0, got {fly_entropy_threshold!r}")
+    if not isinstance(fly_entropy_top_k, int) or isinstance(fly_entropy_top_k, bool) or fly_entropy_top_k < 1:
+        raise ValueError(f"fly_entropy_top_k must be an integer >= 1, got {fly_entropy_top_k!r}")
+    if method == "synthetic":
+        if (synthetic_acceptance_rates is None) == (synthetic_acceptance_length is None):
+            raise ValueError("rejection_sample_method='synthetic' needs exactly one of synthetic_acceptance_rates "
+                             "or synthetic_acceptance_length")
+        if synthetic_acceptance_length is not None:
+            L = synthetic_acceptance_length
+            if not _number(L) or not 1 <= L <= n + 1:
+                raise ValueError(f"synthetic_acceptance_length must be in [1, {n + 1}] (block_size {n + 1}), got {L!r}")
+            rates = acceptance_length_to_rates(float(L), n)
+        else:
+            rates = list(synthetic_acceptance_rates)
+            if len(rates) != n:
+                raise ValueError(f"synthetic_acceptance_rates must have length {n} (block_size - 1, one per draft "
+                                 f"position), got {len(rates)}: {rates}")
+            if not all(_number(r) and 0 <= r <= 1 for r in rates):
+                raise ValueError(f"synthetic_acceptance_rates entries must be in [0, 1], got {rates}")
+            if any(rates[i] > rates[i - 1] for i in range(1, n)):
+                raise ValueError(f"synthetic_acceptance_rates must be non-increasing (position i's entry is the share "
+                                 f"of drafts accepted through i, unconditional), got {rates}")
+        return Verifier(method, conditional_rates=tuple(unconditional_to_conditional_rates(rates)))
+    if method == "fly":
+        if n < 2:
+            raise ValueError(f"rejection_sample_method='fly' needs block_size >= 3 (at least 2 speculative tokens), "
+                             f"got block_size {n + 1}")
+        window = fly_default_window(n) if fly_window_size is None else fly_window_size
+        if not isinstance(window, int) or isinstance(window, bool) or not 1 <= window < n:
+            raise ValueError(f"fly_window_size must be an integer in [1, {n - 1}] (smaller than block_size - 1 = {n}), "
+                             f"got {fly_window_size!r}")
+        return Verifier(method, fly_window_size=window, fly_entropy_threshold=float(fly_entropy_threshold),
+                        fly_entropy_top_k=fly_entropy_top_k)
+    return Verifier(method)
