@@ -4,8 +4,10 @@ Each preset is a spec dict (``kv_specs``) plus the drafter it is served with. Tw
 Poolside's real Laguna pairs at full shape (``dflash_lab.presets``): the XS.2 target
 (40 layers: 30 sliding, 10 full) with an XS-2.1-DFlash-shaped 5-layer drafter, and the
 S-2.1 target (48 layers: 36 sliding, 12 full) with the 6-layer S-2.1-DFlash drafter.
-The others are small shapes that show one mechanism each: a toy Laguna + DFlash, a
-Qwen3.5-shaped GDN hybrid + MTP and a DeepSeek-V4-shaped MLA model + MTP.
+One is the lab's shipped pair, read from its config.json files (``runtime.target_path`` /
+``drafter_path``, so the environment's checkpoints when they are set). The others are small
+shapes that show one mechanism each: a toy Laguna + DFlash, a Qwen3.5-shaped GDN hybrid +
+MTP and a DeepSeek-V4-shaped MLA model + MTP.
 """
 
 from __future__ import annotations
@@ -18,14 +20,18 @@ import torch
 from dflash_lab.kv_cache import specs as kv_specs
 from dflash_lab import presets
 from dflash_lab.config import read_json  # the lab's one config.json reader
+from dflash_lab.runtime import drafter_path, target_path
 
-# ``pair`` names a real Poolside pair in ``presets.DRAFTER_PRESETS``; ``mtp`` says the
-# drafter is an MTP block (a copy of a target layer, whose marker the lab can switch).
+# ``pair`` names a real Poolside pair in ``presets.DRAFTER_PRESETS``; ``shipped``: the lab's own pair,
+# from its config.json files; ``mtp`` says the drafter is an MTP block (a copy of a target layer,
+# whose marker the lab can switch).
 PRESETS = {
     "laguna_xs2_dflash": dict(label="Laguna-XS.2 + XS-2.1-DFlash (shape)", method="dflash", model_type="laguna",
                               pair="laguna-xs-2.1-dflash (shape)"),
     "laguna_s21_dflash": dict(label="Laguna-S-2.1 + S-2.1-DFlash", method="dflash", model_type="laguna",
                               pair="laguna-s-2.1-dflash"),
+    "shipped_pair": dict(label="the shipped pair (tiny Laguna code + its DFlash drafter)", method="dflash",
+                         model_type="laguna", shipped=True),
     "laguna_dflash": dict(label="toy Laguna + DFlash (6 + 3 layers)", method="dflash", model_type="laguna"),
     "qwen3_5_mtp": dict(label="Qwen3.5 hybrid + MTP", method="mtp", model_type="qwen3_5", mtp=True),
     "deepseek_v4": dict(label="DeepSeek-V4-shaped + MTP", method="mtp", model_type="deepseek_v4", mtp=True),
@@ -53,6 +59,8 @@ def preset_specs(name: str, *, drafter_sliding: bool = False, mark_draft: bool =
         raise ValueError(f"preset {name!r} is unknown; expected one of {list(PRESETS)}")
     if "pair" in PRESETS[name]:
         return poolside_pair_specs(PRESETS[name]["pair"])
+    if PRESETS[name].get("shipped"):
+        return kv_specs.laguna_dflash_specs(load_config(target_path()), load_config(drafter_path()))
     if name == "laguna_dflash":
         return kv_specs.laguna_dflash_specs(drafter_sliding=drafter_sliding)
     if name == "qwen3_5_mtp":

@@ -637,8 +637,8 @@ _ = group(laguna, "dflash", "laguna", hybrid_manager_disabled=True)
 # %% [markdown]
 # ## 5 · Explore
 #
-# Pick a model (the Poolside pairs first), a method, a layout, and who flags the draft
-# group: #55390 as the seed states it, #55390 behind 0.33's gate, or vLLM 0.33's engine
+# Pick a model (the Poolside pairs first, then the shipped pair of §0), a method, a layout, and
+# who flags the draft group: #55390 as the seed states it, #55390 behind 0.33's gate, or vLLM 0.33's engine
 # alone. For the MTP models you can switch the runtime marker on; for the toy pair, the drafter's
 # layer types. vLLM 0.33 cannot disable the hybrid manager for the Mamba hybrid or the
 # DeepSeek shape; there the control is greyed out and unticked, and the line under the
