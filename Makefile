@@ -31,8 +31,11 @@ browser:
 	  if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
 	  $$SUDO apt-get update -qq && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
 
+# Jupyter refuses to start as root without --allow-root: pass it for root only.
+JUPYTER_ROOT_FLAG = $(if $(filter 0,$(shell id -u)),--allow-root)
+
 lab: setup
-	$(VENV)/bin/jupyter lab notebooks/
+	$(VENV)/bin/jupyter lab $(JUPYTER_ROOT_FLAG) notebooks/
 
 report: setup
 	$(PY) -m dflash_lab.tools.report --out reports notebooks

