@@ -52,14 +52,16 @@ def quiet_lab_vllm():
     none of which concerns the server (vLLM's CPU build, in its own processes, logs as usual).
     """
     saved = os.environ.get("VLLM_LOGGING_LEVEL")
-    torch_logger = logging.getLogger("torch")
-    level = torch_logger.level
-    os.environ["VLLM_LOGGING_LEVEL"] = "ERROR"  # read once, when vLLM sets up its logger
-    torch_logger.setLevel(logging.ERROR)
+    loggers = [logging.getLogger(name) for name in ("torch", "vllm")]
+    levels = [lg.level for lg in loggers]
+    os.environ["VLLM_LOGGING_LEVEL"] = "ERROR"  # read once, where vLLM sets up its own logging
+    for lg in loggers:  # and where it does not (its notices then reach Python's last-resort handler)
+        lg.setLevel(logging.ERROR)
     try:
         yield
     finally:
-        torch_logger.setLevel(level)
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
         if saved is None:
             os.environ.pop("VLLM_LOGGING_LEVEL", None)
         else:
