@@ -317,8 +317,28 @@ def test_fly_needs_two_speculative_tokens_and_defaults_its_window_as_vllm():
 
 
 def test_the_benchmarks_interval_is_a_t_interval_over_prompts():
-    from dflash_lab.tools.bench_verification import interval
+    from dflash_lab.measure.verification import interval
 
     mean, lo, hi = interval([1.0, 2.0, 3.0])
     assert mean == 2.0 and hi - mean == pytest.approx(4.302653 / math.sqrt(3), rel=1e-5) and mean - lo == hi - mean
     assert math.isnan(interval([2.0])[1])
+
+
+def test_the_verification_explorer_reruns_and_redraws_on_every_control():
+    from test_spec_decode import small_drafter, small_target
+
+    from dflash_lab.widgets import verification_explorer
+
+    target = small_target(vocab=64, max_positions=128, layers=2)
+    drafter = small_drafter(target, block_size=16, layers=1)
+    box = verification_explorer(target, drafter, [[5, 6, 7, 8]], max_new_tokens=6)
+    seen = {box.figure.layout.title.text}
+    assert len(box.figure.data) == 2  # T = 1: greedy and probabilistic drafts
+    box.method.value = "block"
+    box.temperature.value = 0.0
+    assert len(box.figure.data) == 1  # greedy decoding: one draft mode
+    seen.add(box.figure.layout.title.text)
+    box.block_size.value = 16
+    seen.add(box.figure.layout.title.text)
+    assert len(box.figure.data[0].y) == 15 and len(seen) == 3
+    assert all(r["method"] == "block" and r["block_size"] == 16 for r in box.rows())

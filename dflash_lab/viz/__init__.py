@@ -12,6 +12,7 @@ model outputs themselves; they draw what they are given.
     kernels     chapter 5: context-K/V timings and acceptance per sliding window
     training    training logs (loss curves, per-position agreement)
     training_live  chapter 6: a drafter's loss and held-out acceptance while it trains
+    verification  chapter 7: verification rules side by side (per-position rates, τ intervals)
 """
 
 from dflash_lab.viz.common import METHOD_COLOR_NAMES, METHOD_COLORS, PALETTE, html_table, method_color, save_figure
@@ -48,6 +49,7 @@ from dflash_lab.viz.kernels import CONTEXT_KV_PATH_STYLE, context_kv_timing_figu
 from dflash_lab.viz.training import plot_training_log, read_training_log
 from dflash_lab.viz.speed import speedup_vs_tau_figure, step_time_figure  # noqa: F401  (chapter 5: measured speed)
 from dflash_lab.viz.training_live import drafter_comparison_figure, live_training_figure, update_live_training_figure
+from dflash_lab.viz.verification import tau_interval_figure, verification_rates_figure
 
 __all__ = [
     "PALETTE", "METHOD_COLORS", "METHOD_COLOR_NAMES", "method_color", "save_figure",
@@ -62,4 +64,5 @@ __all__ = [
     "CONTEXT_KV_PATH_STYLE", "context_kv_timing_figure", "window_acceptance_figure",
     "plot_training_log", "read_training_log",
     "drafter_comparison_figure", "live_training_figure", "update_live_training_figure",
+    "tau_interval_figure", "verification_rates_figure",
 ]

@@ -11,6 +11,7 @@ and hands the result to a viz function. One module per chapter:
     kv_groups   chapter 4: kv_groups_explorer
     kernels     chapter 5: fused_kernel_explorer, window_acceptance_explorer
     training    chapter 6: drafter_training_explorer
+    verification chapter 7: verification_explorer
 """
 
 from dflash_lab.widgets.common import CONTEXT_KV_DTYPES
@@ -21,6 +22,7 @@ from dflash_lab.widgets.step_through import step_through
 from dflash_lab.widgets.kv_groups import kv_groups_explorer
 from dflash_lab.widgets.kernels import fused_kernel_explorer, window_acceptance_explorer
 from dflash_lab.widgets.training import drafter_training_explorer
+from dflash_lab.widgets.verification import verification_explorer
 
 __all__ = [
     "CONTEXT_KV_DTYPES",
@@ -30,4 +32,5 @@ __all__ = [
     "kv_groups_explorer",
     "fused_kernel_explorer", "window_acceptance_explorer",
     "drafter_training_explorer",
+    "verification_explorer",
 ]
