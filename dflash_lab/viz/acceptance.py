@@ -14,7 +14,8 @@ from plotly.subplots import make_subplots
 from dflash_lab.viz.common import PALETTE, _tau, method_color, titled
 
 # drafted-and-accepted / drafted-and-rejected / the target's own token
-TOKEN_COLORS = {"accepted": PALETTE["green"], "rejected": PALETTE["red"], "bonus": PALETTE["blue"]}
+# Rejected drafts in a true red: the palette's "red" (vermilion) reads as orange, prompt lookup's colour.
+TOKEN_COLORS = {"accepted": PALETTE["green"], "rejected": "#C41E3A", "bonus": PALETTE["blue"]}
 CONDITIONAL_COLOR = "#333333"  # the conditional-rate line: no method's colour
 FEW_DRAFTS = 20  # a conditional rate over fewer drafts than this is drawn faded
 
@@ -202,6 +203,7 @@ def tau_vs_speedup_figure(rows, *, title: str | None = None) -> go.Figure:
     fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.12,
                         subplot_titles=("target forwards per generated token (lower is better)",
                                         "mean acceptance length τ vs measured speedup"))
+    top = max([r["tau"] or 1.0 for r in rows] + [1.0]) + 0.5
     for wi, where in enumerate(wheres):
         mine = [r for r in rows if r["where"] == where]
         fig.add_trace(go.Bar(
@@ -214,13 +216,13 @@ def tau_vs_speedup_figure(rows, *, title: str | None = None) -> go.Figure:
         fig.add_trace(go.Scatter(
             x=[r["tau"] if r["tau"] is not None else 1.0 for r in points],
             y=[r["tokens_per_s"] / base[where] for r in points], mode="markers+text", name=f"{where} (speedup)",
-            text=[r["label"] for r in points], textposition="top center", legendgroup=where, showlegend=False,
+            text=[r["label"] for r in points], legendgroup=where, showlegend=False,
+            textposition=["top left" if (r["tau"] or 1.0) > 0.6 * top else "top center" for r in points],  # no cut labels
             marker=dict(size=11, symbol=_WHERE_SYMBOLS[wi % len(_WHERE_SYMBOLS)],
                         color=[method_color(r["method"]) for r in points], line=dict(color="black", width=1)),
             customdata=[[r["tokens_per_s"]] for r in points],
             hovertemplate="%{text}: τ %{x:.2f}, %{y:.2f}× plain greedy (%{customdata[0]:.1f} tokens/s)"
                           "<extra>" + where + "</extra>"), 1, 2)
-    top = max([r["tau"] or 1.0 for r in rows] + [1.0]) + 0.5
     fig.add_trace(go.Scatter(x=[1, top], y=[1, top], mode="lines", line=dict(color="black", dash="dash", width=1),
                              name="speedup = τ (drafting free, a block verified at one forward's price)",
                              hoverinfo="skip"), 1, 2)
@@ -228,7 +230,7 @@ def tau_vs_speedup_figure(rows, *, title: str | None = None) -> go.Figure:
     fig.update_xaxes(title_text="; ".join(["method"] + [f"{hatches[_WHERE_PATTERNS[i % 4]]}: {w}"
                                                         for i, w in enumerate(wheres) if i % 4]), row=1, col=1)
     fig.update_yaxes(title_text="target forwards / token", rangemode="tozero", row=1, col=1)
-    fig.update_xaxes(title_text="τ (plain greedy drawn at 1)", row=1, col=2)
+    fig.update_xaxes(title_text="τ (plain greedy drawn at 1)", range=[0.5, top], row=1, col=2)
     fig.update_yaxes(title_text="tokens/s ÷ plain greedy's", rangemode="tozero", row=1, col=2)
     fig.update_layout(barmode="group", legend=dict(orientation="h", y=-0.3))
     symbols = ", ".join(f"{s.replace('-up', '')}: {w}" for s, w in zip(_WHERE_SYMBOLS, wheres))
