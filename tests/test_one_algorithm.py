@@ -110,10 +110,15 @@ def test_fast_path_batched_over_ragged_prompts_equals_the_eager_loop(shipped, ea
     assert_same_runs(got, want, f"{name}, fast batch {batch}")
 
 
-def test_evaluation_replay_counts_what_the_eager_loop_counts(shipped, eager):
+@pytest.fixture(scope="module")
+def probe(shipped):
+    """Evaluation's replay: the target's greedy continuations and features of every prompt, computed once."""
     target, _, prompts = shipped
+    return AcceptanceProbe(target, [p.tolist() for p in prompts], max_new_tokens=MAX_NEW, max_block_size=BLOCK)
+
+
+def test_evaluation_replay_counts_what_the_eager_loop_counts(probe, eager):
     name, drafter, want = eager
-    probe = AcceptanceProbe(target, [p.tolist() for p in prompts], max_new_tokens=MAX_NEW, max_block_size=BLOCK)
     for (g, P, _), r in zip(probe.items, want):
         assert g[P:P + MAX_NEW].tolist() == r.new_token_ids, f"{name}: the replay follows another continuation"
     merged = sum((r.stats for r in want))
