@@ -1,24 +1,8 @@
-"""Measured tokens/s of the shipped pair on the static, CUDA-graphed path (``spec_decode.fast.decoder``).
+"""The markdown of the fast backend's speed records (``measure.decoding`` measures them).
 
-One record per (method, block size, batch, CUDA graphs on/off):
-
-    method               "target_only" (greedy, block 1), "dflash" (the default drafter, the
-                         paper's), "dflash_poolside" (the Poolside-style drafter: sliding, causal),
-                         "prompt_lookup"
-    block_size, batch, cuda_graphs, tokens_per_s, mean_acceptance_length, device
-    + tokens, seconds, batch_steps, ms_per_batch_step, target_forwards_per_token,
-      outputs_equal_target_only (same batch and graphs setting), outputs_equal_graphs_off
-
-Every configuration runs the same prompts (the first ``n_prompts`` held-out
-prompts, each cut to its last 256 tokens) in chunks of ``batch``, after an
-untimed warm-up (every prompt once, then one full-length chunk: one-off costs
-such as Triton specialisations and cuDNN attention plans for each new prompt
-length stay out of the clock); the clock covers prefill and decoding, host work
-included.
-"Graphs off" launches the same kernels one by one from Python.
-
-``phase_breakdown`` times each phase of a step (draft, verify, context-K/V
-append, accept) as its own graph: where the time of a step goes.
+``fast_markdown`` turns the records of ``measure.decoding.measure_fast_decoding`` (one per
+method, block size, batch and graphs setting) and its ``phase_breakdown`` into the tables
+of benchmarks/spec_decode.md.
 """
 
 from __future__ import annotations
