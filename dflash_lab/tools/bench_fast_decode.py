@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from ..measure.decoding import METHODS
 
+
 def fast_markdown(records, phases=None, *, n_prompts: int, max_new_tokens: int) -> list[str]:
     """Markdown lines: the tokens/s table (rows: method and block; columns: batch x graphs), speedups, phases."""
     if not records:
