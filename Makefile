@@ -41,7 +41,7 @@ report: setup
 	$(PY) -m dflash_lab.tools.report --out reports notebooks
 
 test: setup
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=30 tests
 	$(PY) -m pytest -q --nbval --nbval-current-env notebooks/
 
 bench: setup
