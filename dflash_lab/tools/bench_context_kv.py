@@ -30,7 +30,7 @@ from .bench_common import write_results
 
 SMALL_N_PATHS = ("gemm_floor", "folded_triton", "gemm_floor_graphed", "folded_triton_graphed")
 SMALL_N_CONTEXTS = (16, 128, 1024)
-# Ceilings measured on an H200 of this workplace (KINDS.md): copy bandwidth and bf16 GEMM rate.
+# Ceilings measured on an H200: copy bandwidth and bf16 GEMM rate.
 H200_BYTES_PER_S, H200_FLOP_PER_S = 4.3e12, 790e12
 
 
