@@ -172,22 +172,6 @@ def readme_example_request() -> dict:
 def test_sigterm_to_the_wrapper_stops_vllms_whole_tree_and_the_readme_request_returns_text():
     port = free_port()
     wrapper = start_wrapper(["--port", str(port)])
-    try:
-        lines = read_until(wrapper, READY, timeout_s=600)
-        assert f"http://127.0.0.1:{port}" in lines[0]  # the port comes first, before vLLM's minute of start-up
-        body = readme_example_request()
-        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=json.dumps(body).encode(),
-                                         headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(request, timeout=120) as r:
-            choice = json.loads(r.read())["choices"][0]
-        assert choice["text"].strip() and choice["finish_reason"] == "length", choice
-        tree = process_tree(wrapper.pid)
-        assert len(tree) >= 3, tree  # the wrapper, vLLM's API server, its engine core
-    finally:
-        wrapper.send_signal(signal.SIGTERM)
-    assert wrapper.wait(timeout=90) == 128 + signal.SIGTERM
-    port = free_port()
-    wrapper = start_wrapper(["--port", str(port)])
     tree = {}
     try:
         lines = read_until(wrapper, READY, timeout_s=600)
