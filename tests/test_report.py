@@ -24,6 +24,11 @@ GOOD_CELLS = [
     "block = widgets.IntSlider(value=4, min=2, max=16, description='block size')\n"
     "fw.data[0].y = [3, 1, 2]  # an edit after the widget was built: the page must show it\n"
     "widgets.VBox([block, fw])",
+    "from tqdm.auto import tqdm\n"
+    "for _ in tqdm(range(8), desc='kept bar'):\n"
+    "    pass\n"
+    "for _ in tqdm(range(8), desc='closed bar', leave=False):  # closed at the end, its text never redrawn\n"
+    "    pass",
 ]
 BROKEN_CELLS = [
     "# A broken chapter",
@@ -76,6 +81,16 @@ def test_report_of_a_good_notebook_is_self_contained_with_widget_state(tmp_path)
     assert len(sliders_drawn) == 1 and 'max="16"' in sliders_drawn[0] and 'value="4"' in sliders_drawn[0]
     assert page.count("Plotly.newPlot") == 2  # the bar chart and the FigureWidget
     assert '"y":[3,1,2]' in page.replace(" ", "")
+    # tqdm bars as JupyterLab leaves them: the kept one complete, the closed one (leave=False) not drawn
+    drawn = re.sub(r"<script.*?</script>", "", page, flags=re.S).replace("\u2007", " ")  # shown, not saved state
+    assert "kept bar: 100%" in drawn and " 8/8 " in drawn
+    assert re.search(r'<progress (max="8(\.0)?" value="8(\.0)?"|value="8(\.0)?" max="8(\.0)?")>', drawn), drawn[-3000:]
+    assert "closed bar:" not in drawn, "a closed tqdm bar (leave=False) is drawn from its last, stale state"
+    # the progress line counts the notebook's code cells and names the one it runs
+    code_cells = sum(not c.startswith("#") for c in GOOD_CELLS)
+    assert f"{code_cells}/{code_cells}" in result.stderr and f"code cell {code_cells} of {code_cells} (notebook cell " \
+        f"{len(GOOD_CELLS) - 1})" in result.stderr, result.stderr[-2000:]
+    assert f"/{code_cells + 1}" not in result.stderr  # the report's own figure read-back is not counted
     index = (tmp_path / "reports" / "index.html").read_text()
     assert 'href="01_good.html"' in index and "A good chapter" in index
     assert not list((tmp_path / "reports").glob(".*.tmp")), "a temporary file was left behind"

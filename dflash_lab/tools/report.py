@@ -70,6 +70,24 @@ def __dflash_lab_figures():
 __import__("IPython").display.display({"application/json": __dflash_lab_figures()}, raw=True)
 del __dflash_lab_figures
 """
+FIGURE_DUMP_ID = "dflash-lab-figure-dump"
+
+
+class _Client(NotebookClient):
+    """nbclient's client, but a widget the kernel closes leaves the saved state, as its views leave JupyterLab.
+
+    nbclient keeps every widget it has seen with its last synced state, closed or not, so a
+    closed view would be drawn again from that state: a tqdm bar with ``leave=False`` (closed
+    when its loop ends, without a last redraw of its text) would show frozen one step short,
+    "88% 7/8". JupyterLab removes a closed widget's view; so does the report.
+    """
+
+    def handle_comm_msg(self, outs, msg, cell_index) -> None:
+        super().handle_comm_msg(outs, msg, cell_index)
+        if msg["msg_type"] == "comm_close":
+            comm_id = msg["content"].get("comm_id")
+            self.widget_state.pop(comm_id, None)
+            self.widget_buffers.pop(comm_id, None)
 
 
 class NotebookFailed(RuntimeError):
@@ -122,22 +140,25 @@ def execute_notebook(
     the failing cell's traceback.
     """
     nb = nbformat.read(path, as_version=4) if nb is None else nb
+    n_code = sum(c.cell_type == "code" for c in nb.cells)  # the notebook's own: the figure dump is not counted
     if dump_figures:
-        nb.cells.append(nbformat.v4.new_code_cell(FIGURE_DUMP_CELL, id="dflash-lab-figure-dump"))
-    n_code = sum(c.cell_type == "code" for c in nb.cells)
+        nb.cells.append(nbformat.v4.new_code_cell(FIGURE_DUMP_CELL, id=FIGURE_DUMP_ID))
     bar = tqdm(total=n_code, desc=path.stem, unit="cell", position=position, leave=True, dynamic_ncols=True)
     current = {"index": None, "code": 0}
 
     def on_cell_start(cell, cell_index, **_):  # nbclient calls it for every cell, markdown too
         current["index"] = cell_index
-        if cell.cell_type == "code":  # the bar counts code cells, so the postfix names the code cell it runs
+        if cell.get("id") == FIGURE_DUMP_ID:
+            bar.set_postfix_str("reading the figures back")
+        elif cell.cell_type == "code":  # the bar counts code cells, so the postfix names the code cell it runs
             current["code"] += 1
             bar.set_postfix_str(f"code cell {current['code']} of {n_code} (notebook cell {cell_index})")
 
     def on_cell_executed(cell, cell_index, **_):
-        bar.update(1)
+        if cell.get("id") != FIGURE_DUMP_ID:
+            bar.update(1)
 
-    client = NotebookClient(
+    client = _Client(
         nb,
         timeout=timeout,
         kernel_name=nb.metadata.get("kernelspec", {}).get("name", "python3"),

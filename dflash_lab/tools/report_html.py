@@ -56,6 +56,9 @@ def widget_html(model_id: str, models: dict, figures: dict, _depth: int = 0) -> 
     name = model.get("model_name", "")
     state = model.get("state", {})
     esc = html.escape
+    layout = models.get(str(state.get("layout", "")).removeprefix("IPY_MODEL_"), {}).get("state", {})
+    if layout.get("visibility") == "hidden" or layout.get("display") == "none":
+        return ""  # hidden by its layout (tqdm hides a finished leave=False bar this way too): not drawn
 
     def child(ref):
         return widget_html(str(ref).removeprefix("IPY_MODEL_"), models, figures, _depth + 1)
@@ -160,6 +163,10 @@ def prepare_for_html(nb, figures: dict) -> None:
     state = nb.metadata.get("widgets", {}).get(WIDGET_STATE_MIME, {})
     models = state.get("state", {})
     for cell in nb.cells:
+        if "outputs" in cell:  # a view of a widget the kernel closed (tqdm, leave=False): JupyterLab removes it,
+            cell.outputs = [out for out in cell.outputs  # and its text/plain stand-in is a stale picture of it
+                            if out.get("data", {}).get(WIDGET_VIEW_MIME, {}).get("model_id", "") in models
+                            or WIDGET_VIEW_MIME not in out.get("data", {})]
         for out in cell.get("outputs", []):
             data = out.get("data", {})
             if PLOTLY_MIME in data:
