@@ -63,8 +63,12 @@ def test_step_through_highlights_what_each_step_did(pair):
         # guess row + emitted row + the story line each show the accepted drafts
         assert kinds.count("accepted") == 3 * min(n, len(step.token_ids))
         assert kinds.count("rejected") == (1 if n < k else 0)
-        # after a rejection: the discarded guesses (k-n-1) and the target's choices read after it (k-n)
-        assert kinds.count("unchecked") == (2 * (k - n) - 1 if n < k else 0)
+        # after a rejection: the discarded guesses (k-n-1); the target's choices read after it are not shown
+        assert kinds.count("unchecked") == (k - n - 1 if n < k else 0)
+        choices = re.search(r'<th class="row">target\'s choice</th>(.*?)</tr>', page).group(1)
+        cells = re.findall(r"<td>(.*?)</td>", choices)[1:]  # j = 1 .. k+1
+        assert len(cells) == k + 1 and all(">—</span>" in c for c in cells[n + 1:])  # never checked: no choice shown
+        assert all('data-kind="' in c and "—" not in c for c in cells[:n + 1])  # the checked ones, and the correction
         assert f"kept <b>{n}</b>" in page and f'data-step="{i}"' in page
     with pytest.raises(ValueError, match="step_index"):
         viz.step_through_html(r, len(r.steps), decode)
@@ -137,7 +141,8 @@ def test_save_figure_by_suffix(tmp_path, monkeypatch):
         return real_import(name, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "__import__", no_kaleido)
-    with pytest.warns(UserWarning, match="kaleido is not installed"):
+    with pytest.warns(UserWarning, match=r"SVG is drawn by kaleido, an optional package that is not installed here, "
+                                         r"so f\.html was written instead of f\.svg"):
         written = viz.save_figure(fig, tmp_path / "f.svg")
     assert written == tmp_path / "f.html"
 

@@ -8,7 +8,7 @@ proposed and what the target preferred) and the index of one step, and draws:
     the target's choice              its top token at each position, from ONE target forward
                                      over [x_t, d_1 .. d_K]
     the verdict                      accepted up to the first disagreement, which is rejected;
-                                     later guesses are never checked
+                                     later guesses are never checked (their target's choice: —)
     what the step emitted            the accepted drafts + one token of the target's own
                                      (the correction after a rejection, the bonus when all were kept)
 
@@ -151,8 +151,9 @@ def step_through_html(result, step_index: int, tokenizer=None, *, mask=None, cau
         elif j == n + 1:
             kind = "bonus" if n == k else "correction"
             choice.append(_tok(tokenizer, c, kind, f"the target's top token at position {t + j}: its {kind}"))
-        else:  # read after a rejected guess: the target saw a prefix that is thrown away
-            choice.append(_tok(tokenizer, c, "unchecked", "computed after the rejected guess: discarded"))
+        else:  # read after a rejected guess: the target saw a prefix that is thrown away, so nothing is shown
+            choice.append(f'<span style="color:{_KIND_STYLE["unchecked"][0]}" title="never checked: the target '
+                          f'read this position after the rejected guess, so its choice here is discarded">—</span>')
     verdict_cells = []
     for j in cols[1:]:
         if j <= k:

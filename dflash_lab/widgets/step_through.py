@@ -34,8 +34,11 @@ def step_through(result, tokenizer=None, *, drafter=None, title: str | None = No
     last = len(result.steps) - 1
     if last < 0:
         raise ValueError("result has no steps: generate at least one token")
+    why = ""
     if start is None:  # the first step that shows everything: some drafts kept, then a rejection
-        start = next((i for i, s in enumerate(result.steps) if 0 < s.num_accepted < len(s.draft_ids)), min(1, last))
+        start = next((i for i, s in enumerate(result.steps) if 0 < s.num_accepted < len(s.draft_ids)), None)
+        why = ", the first that keeps some drafts and then rejects one" if start is not None else ""
+        start = min(1, last) if start is None else start
     step = widgets.IntSlider(value=min(max(start, 0), last), min=0, max=last, description="step",
                              continuous_update=True, style=WIDE, layout=widgets.Layout(width="420px"))
     play = widgets.Play(value=step.value, min=0, max=last, interval=interval_ms, description="play",
@@ -53,8 +56,8 @@ def step_through(result, tokenizer=None, *, drafter=None, title: str | None = No
 
     step.observe(draw, names="value")
     draw()
-    hint = widgets.HTML('<span style="font-size:12px">Step 0 is the prefill; press ▶ to play the steps in '
-                        "order, or drag the slider.</span>")
+    hint = widgets.HTML(f'<span style="font-size:12px">Step 0 is the prefill; shown first: step {step.value}{why}. '
+                        "Press ▶ to play the steps in order, or drag the slider.</span>")
     box = widgets.VBox([widgets.HBox([play, step, hint], layout=widgets.Layout(flex_flow="row wrap",
                                                                                 align_items="center")), view])
     box.add_class("dflash-step-through")
