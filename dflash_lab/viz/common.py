@@ -92,14 +92,21 @@ def wrap_title(text: str, *, width: int = 80) -> tuple[str, int]:
     return "<br>".join(lines), len(lines)
 
 
+# px: plotly's mode bar (its toolbar), drawn across the top right of the figure; ``titled`` keeps
+# this strip for it alone, so that it covers nothing: not the title, not a colour bar's labels
+# (a vertical mode bar at the right edge sat on them), not a legend.
+TOOLBAR_PX = 34
+
+
 def titled(fig: go.Figure, title: str, *, height: int, width_chars: int = 100, bottom: int = 10) -> go.Figure:
-    """Left-aligned, wrapped title with room above the plot, and the mode bar drawn vertically at
-    the right edge so that it never covers the title."""
+    """Left-aligned, wrapped title with room above the plot, under a strip of its own for the mode bar
+    (horizontal, at the top right), so that the mode bar covers no title, label or colour bar."""
     text, lines = wrap_title(title, width=width_chars)
-    top = 36 + 22 * lines
-    fig.update_layout(title=dict(text=text, x=0, xanchor="left", y=1, yanchor="top", pad=dict(t=14, l=8)),
-                      height=height + 20 * (lines - 1), margin=dict(l=10, r=40, t=top + 10, b=bottom),
-                      modebar=dict(orientation="v"))
+    top = TOOLBAR_PX + 22 * lines + 22
+    fig.update_layout(title=dict(text=text, x=0, xanchor="left", y=1, yref="container", yanchor="top",
+                                 pad=dict(t=TOOLBAR_PX, l=8)),
+                      height=height + TOOLBAR_PX - 14 + 20 * (lines - 1), margin=dict(l=10, r=20, t=top, b=bottom),
+                      modebar=dict(orientation="h"))
     return fig
 
 
@@ -107,9 +114,10 @@ def save_figure(fig, path, *, width: int | None = None, height: int | None = Non
     """Save a plotly figure (or FigureWidget) by the file's suffix, in one call.
 
     ``.html``: a standalone page with plotly.js inlined (opens offline); ``.json``: plotly's
-    JSON; ``.svg`` / ``.pdf`` / ``.png``: drawn by kaleido (which drives the Chromium that
-    ``make browser`` installs). Without kaleido an image suffix writes ``.html`` next to it
-    instead and warns. Returns the path written.
+    JSON; ``.svg`` / ``.pdf`` / ``.png``: drawn by kaleido, an optional package that is not one
+    of the lab's dependencies (it drives a Chromium, such as the one ``make browser`` installs).
+    Without kaleido an image suffix writes ``.html`` next to it instead and warns. Returns the
+    path written.
     """
     path = Path(path)
     fig = go.Figure(fig)  # a FigureWidget's current state, as a plain figure
@@ -126,8 +134,9 @@ def save_figure(fig, path, *, width: int | None = None, height: int | None = Non
         import kaleido  # noqa: F401  (optional: draws static images)
     except ImportError:
         fallback = path.with_suffix(".html")
-        warnings.warn(f"save_figure: kaleido is not installed, so {path.name} cannot be drawn; wrote "
-                      f"{fallback.name} instead (pip install kaleido for SVG/PDF/PNG)", stacklevel=2)
+        warnings.warn(f"save_figure: {suffix[1:].upper()} is drawn by kaleido, an optional package that is not "
+                      f"installed here, so {fallback.name} was written instead of {path.name} (the lab's own "
+                      "formats are .html and .json; pip install kaleido for .svg/.pdf/.png)", stacklevel=2)
         fig.write_html(fallback, include_plotlyjs=True, full_html=True)
         return fallback
     fig.write_image(path, width=width, height=height)
