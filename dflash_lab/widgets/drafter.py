@@ -22,7 +22,7 @@ CAUSAL_KEY = {"absent": None, "true": True, "false": False}  # dflash_config.cau
 
 
 def causality_rule(d: dict, cfg: DFlashDrafterConfig) -> str:
-    """Which of vLLM's `_dflash_layer_causal` rules decided (first match wins, FIDELITY §1)."""
+    """Which of vLLM's `_dflash_layer_causal` rules decided (first match wins; vLLM 0.33, qwen3_dflash.py:62-73)."""
     if d.get("is_causal") is not None:
         return f"is_causal = {str(d['is_causal']).lower()}"
     if (d.get("dflash_config") or {}).get("causal") is not None:
