@@ -534,6 +534,16 @@ def test_layout_figure_outlines_marked_draft_layers():
     assert {text for text, w in widths.items() if w > 1} == {"L6", "L7", "L8"}
 
 
+def test_padding_figure_shows_the_share_of_the_pool_left_empty():
+    toy = kv_layout.group_memory(kv.kv_cache_groups(kv_specs.laguna_dflash_specs()))  # groups of 4 and 5 layers
+    xs2 = kv_layout.group_memory(kv.kv_cache_groups(kv_presets.preset_specs("laguna_xs2_dflash")))  # 15, 15, 15
+    filled, empty = viz.kv_padding_figure([("toy", toy), ("XS.2", xs2)]).data
+    assert list(filled.y) == list(empty.y) == ["toy", "XS.2"]
+    assert list(empty.x) == pytest.approx([10.0, 0.0])  # one padding page of ten; none
+    assert [f + e for f, e in zip(filled.x, empty.x)] == pytest.approx([100.0, 100.0])
+    assert list(empty.text) == ["10.0 % empty", "0.0 % empty"]
+
+
 def test_memory_figure_lists_every_group_and_its_unused_share_of_a_block():
     groups = kv.kv_cache_groups(kv_specs.laguna_dflash_specs(), method="dflash", model_type="laguna")
     memory = kv_layout.group_memory(groups)
@@ -569,8 +579,8 @@ def _rows(fig):
 
 def test_explorer_redraws_for_every_control():
     c, layout_fig, memory_fig = _explorer()
-    assert c.preset.value == "laguna_xs2_dflash"  # the real Poolside shape comes first
-    assert _rows(layout_fig) == 3
+    assert c.preset.value == "shipped_pair"  # the student's own pair comes first
+    assert _rows(layout_fig) == len(kv.vllm_kv_cache_groups(kv_presets.preset_specs("shipped_pair")))
     for name in kv_presets.PRESETS:
         c.preset.value = name
         assert c.method.value == kv_presets.PRESETS[name]["method"]
@@ -621,6 +631,7 @@ def test_explorer_clears_a_stale_draft_shading_in_the_browser():
     # A layout assignment reaches plotly.js as a relayout, which keeps shapes the new layout
     # lacks; the explorer must send an explicit clear when the draft group goes away.
     c, layout_fig, _ = _explorer()
+    c.preset.value = "laguna_xs2_dflash"
     assert len(layout_fig.layout.shapes) == 1  # the lab flags the XS.2 DFlash group
     sent = []
     original = layout_fig._send_relayout_msg
@@ -975,3 +986,89 @@ def test_v2_speculator_gives_a_split_laguna_drafter_one_groups_slots():
     assert not result["DFlashLagunaForCausalLM_defines_get_draft_kv_cache_layer_names"]
     assert len({tuple(r) for r in result["slots_laguna"]}) == 1  # one group's slots for every layer
     assert result["laguna_layers_with_wrong_slots"] == ["model.layers.7.self_attn.attn", "model.layers.9.self_attn.attn"]
+
+
+# ---------------------------------------------------------------------------
+# Chapter 4's shipped pair and its split case: presets read from checkpoints/
+# ---------------------------------------------------------------------------
+
+
+def _drafter_groups(specs, groups):
+    return [n for n in (sum(specs[name].is_draft for name in g.layer_names) for g in groups) if n]
+
+
+def _v1_refusal(specs, groups):
+    from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+
+    proposer = SimpleNamespace(_draft_attn_layer_names=[n for n, s in specs.items() if s.is_draft])
+    try:
+        SpecDecodeBaseProposer.validate_same_kv_cache_group(proposer, SimpleNamespace(kv_cache_groups=groups))
+    except AssertionError as refused:
+        return str(refused)
+    return None
+
+
+def test_the_shipped_pair_preset_is_the_checkpoints_pair_and_comes_first():
+    from dflash_lab.runtime import drafter_path, target_path
+
+    assert list(kv_presets.PRESETS)[:2] == ["shipped_pair", "shipped_target_4_layer_drafter"]
+    specs = kv_presets.preset_specs("shipped_pair")
+    expected = kv_specs.laguna_dflash_specs(kv_presets.load_config(target_path()), kv_presets.load_config(drafter_path()))
+    assert specs == expected and list(specs) == list(expected)
+    assert kv_presets.shipped_drafter_config() == kv_presets.load_config(drafter_path())
+
+
+@pytest.mark.parametrize("depth", [1, 3, 4, 7])
+def test_shipped_drafter_config_changes_only_the_depth(depth):
+    shipped = kv_presets.shipped_drafter_config()
+    deeper = kv_presets.shipped_drafter_config(depth)
+    per_layer = {k for k, v in shipped.items() if isinstance(v, list) and len(v) == shipped["num_hidden_layers"]
+                 and k.endswith(("layer_types", "_per_layer"))}
+    assert "layer_types" in per_layer
+    assert deeper["num_hidden_layers"] == depth and all(len(deeper[k]) == depth for k in per_layer)
+    assert {k: v for k, v in deeper.items() if k not in per_layer | {"num_hidden_layers"}} == {
+        k: v for k, v in shipped.items() if k not in per_layer | {"num_hidden_layers"}}
+    target = kv_presets.load_config(kv_presets.target_path())
+    specs = kv_specs.laguna_dflash_specs(target, deeper)
+    assert sum(s.is_draft for s in specs.values()) == depth
+    assert len({s.page_size_bytes for s in specs.values()}) == 1  # only the layer counts reach the grouping
+    with pytest.raises(ValueError, match="num_layers"):
+        kv_presets.shipped_drafter_config(0)
+
+
+def test_on_the_shipped_target_a_3_layer_drafter_sits_in_one_group_and_a_4_layer_one_is_split():
+    # 4 sliding + 2 full target layers. 3 drafter layers: full 5 < 1.5 x 4, group size 5, one group.
+    # 4 drafter layers: full 6 >= 1.5 x 4, group size 4, the six full layers cut into 2 groups (strided).
+    target = kv_presets.load_config(kv_presets.target_path())
+    kinds = [kv_layout.spec_kind(s) for s in kv_specs.laguna_target_specs(target).values()]
+    assert (kinds.count("sliding_window"), kinds.count("full_attention")) == (4, 2)
+    three = kv_specs.laguna_dflash_specs(target, kv_presets.shipped_drafter_config(3))
+    groups = kv.vllm_kv_cache_groups(three)
+    assert [len(g.layer_names) for g in groups] == [4, 5] and _drafter_groups(three, groups) == [3]
+    assert _v1_refusal(three, groups) is None
+    four = kv_presets.preset_specs("shipped_target_4_layer_drafter")
+    assert sum(s.is_draft for s in four.values()) == kv_presets.PRESETS["shipped_target_4_layer_drafter"]["drafter_layers"] == 4
+    groups = kv.vllm_kv_cache_groups(four)
+    names = list(four)
+    full = [n for n in names if kv_layout.spec_kind(four[n]) == "full_attention"]
+    assert [g.layer_names for g in groups][1:] == [full[0::2], full[1::2]]
+    assert _drafter_groups(four, groups) == [2, 2]
+    assert _v1_refusal(four, groups) == "All drafting layers should belong to the same kv cache group"
+    off = kv.vllm_kv_cache_groups(four, hybrid_manager_disabled=True)
+    assert len(off) == 1 and _v1_refusal(four, off) is None
+
+
+def test_vllm_notes_the_padding_of_the_split_case(caplog):
+    with caplog.at_level(logging.WARNING, logger=kv_engine.VLLM_PLANNING_LOGGER):
+        kv.vllm_kv_cache_groups(kv_presets.preset_specs("shipped_target_4_layer_drafter"))
+    assert "Add 2 padding layers, may waste at most 33.33% KV cache memory" in caplog.text
+
+
+def test_the_explorer_offers_the_split_case_and_its_way_out():
+    c, layout_fig, _ = _explorer()
+    assert ("the shipped target + a 4-layer drafter (the split case)", "shipped_target_4_layer_drafter") in [
+        tuple(o) for o in c.preset.options]
+    c.preset.value = "shipped_target_4_layer_drafter"
+    assert _rows(layout_fig) == 3 and not c.hybrid_off.disabled
+    c.hybrid_off.value = True
+    assert _rows(layout_fig) == 1 and "hybrid manager disabled" in layout_fig.layout.title.text.replace("<br>", " ")

@@ -4,8 +4,10 @@ Each preset is a spec dict (``kv_specs``) plus the drafter it is served with. Tw
 Poolside's real Laguna pairs at full shape (``dflash_lab.presets``): the XS.2 target
 (40 layers: 30 sliding, 10 full) with an XS-2.1-DFlash-shaped 5-layer drafter, and the
 S-2.1 target (48 layers: 36 sliding, 12 full) with the 6-layer S-2.1-DFlash drafter.
-One is the lab's shipped pair, read from its config.json files (``runtime.target_path`` /
-``drafter_path``, so the environment's checkpoints when they are set). The others are small
+The lab's shipped pair comes first, read from its config.json files (``runtime.target_path`` /
+``drafter_path``, so the environment's checkpoints when they are set), and next to it the
+shipped target with the shipped drafter made 4 layers deep (``shipped_drafter_config``): the
+case where vLLM splits a drafter over two KV-cache groups of that target. The others are small
 shapes that show one mechanism each: a toy Laguna + DFlash, a Qwen3.5-shaped GDN hybrid +
 MTP and a DeepSeek-V4-shaped MLA model + MTP.
 """
@@ -22,16 +24,18 @@ from dflash_lab import presets
 from dflash_lab.config import read_json  # the lab's one config.json reader
 from dflash_lab.runtime import drafter_path, target_path
 
-# ``pair`` names a real Poolside pair in ``presets.DRAFTER_PRESETS``; ``shipped``: the lab's own pair,
-# from its config.json files; ``mtp`` says the drafter is an MTP block (a copy of a target layer,
-# whose marker the lab can switch).
+# ``shipped``: the lab's own pair, from its config.json files (``drafter_layers``: the shipped drafter
+# made that many layers deep); ``pair`` names a real Poolside pair in ``presets.DRAFTER_PRESETS``;
+# ``mtp`` says the drafter is an MTP block (a copy of a target layer, whose marker the lab can switch).
 PRESETS = {
+    "shipped_pair": dict(label="the shipped pair (tiny Laguna code + its DFlash drafter)", method="dflash",
+                         model_type="laguna", shipped=True),
+    "shipped_target_4_layer_drafter": dict(label="the shipped target + a 4-layer drafter (the split case)",
+                                           method="dflash", model_type="laguna", shipped=True, drafter_layers=4),
     "laguna_xs2_dflash": dict(label="Laguna-XS.2 + XS-2.1-DFlash (shape)", method="dflash", model_type="laguna",
                               pair="laguna-xs-2.1-dflash (shape)"),
     "laguna_s21_dflash": dict(label="Laguna-S-2.1 + S-2.1-DFlash", method="dflash", model_type="laguna",
                               pair="laguna-s-2.1-dflash"),
-    "shipped_pair": dict(label="the shipped pair (tiny Laguna code + its DFlash drafter)", method="dflash",
-                         model_type="laguna", shipped=True),
     "laguna_dflash": dict(label="toy Laguna + DFlash (6 + 3 layers)", method="dflash", model_type="laguna"),
     "qwen3_5_mtp": dict(label="Qwen3.5 hybrid + MTP", method="mtp", model_type="qwen3_5", mtp=True),
     "deepseek_v4": dict(label="DeepSeek-V4-shaped + MTP", method="mtp", model_type="deepseek_v4", mtp=True),
@@ -60,12 +64,33 @@ def preset_specs(name: str, *, drafter_sliding: bool = False, mark_draft: bool =
     if "pair" in PRESETS[name]:
         return poolside_pair_specs(PRESETS[name]["pair"])
     if PRESETS[name].get("shipped"):
-        return kv_specs.laguna_dflash_specs(load_config(target_path()), load_config(drafter_path()))
+        return kv_specs.laguna_dflash_specs(load_config(target_path()),
+                                            shipped_drafter_config(PRESETS[name].get("drafter_layers")))
     if name == "laguna_dflash":
         return kv_specs.laguna_dflash_specs(drafter_sliding=drafter_sliding)
     if name == "qwen3_5_mtp":
         return kv_specs.qwen3_5_hybrid_specs(mark_draft=mark_draft)
     return kv_specs.deepseek_v4_specs(mark_draft=mark_draft)
+
+
+def shipped_drafter_config(num_layers: int | None = None) -> dict:
+    """The shipped drafter's config.json; with ``num_layers``, the same drafter made that many layers deep.
+
+    Only the depth changes: ``num_hidden_layers`` and the per-layer lists (``layer_types``,
+    ``mlp_layer_types``, ``num_attention_heads_per_layer``), cut short or extended with their
+    last entry. Heads, head dim and dtype stay the shipped drafter's, so the pages stay the same
+    size and only the layer counts reach vLLM's grouping.
+    """
+    config = load_config(drafter_path())
+    if num_layers is None:
+        return config
+    n = kv_specs.positive_int(num_layers, "num_layers", "arguments")
+    deeper = dict(config, num_hidden_layers=n)
+    for key, value in config.items():
+        if isinstance(value, list) and value and len(value) == config["num_hidden_layers"] and key.endswith(
+                ("layer_types", "_per_layer")):
+            deeper[key] = (value + value[-1:] * n)[:n]
+    return deeper
 
 
 def load_config(path: str | Path) -> dict:

@@ -44,7 +44,7 @@ from dflash_lab.viz.acceptance import (
 )
 from dflash_lab.viz.step_through import step_through_html, step_verdicts
 from dflash_lab.viz.kv_groups import (KV_KIND_COLORS, kv_group_layout_figure, kv_group_memory_figure,
-                                      kv_group_memory_table_html)
+                                      kv_group_memory_table_html, kv_padding_figure)
 from dflash_lab.viz.kernels import CONTEXT_KV_PATH_STYLE, context_kv_timing_figure, window_acceptance_figure
 from dflash_lab.viz.training import plot_training_log, read_training_log
 from dflash_lab.viz.speed import speedup_vs_tau_figure, step_time_figure  # noqa: F401  (chapter 5: measured speed)
@@ -61,6 +61,7 @@ __all__ = [
     "per_position_acceptance_figure", "tau_vs_speedup_figure", "engine_vs_lab_figure",
     "step_through_html", "step_verdicts",
     "KV_KIND_COLORS", "kv_group_layout_figure", "kv_group_memory_figure", "kv_group_memory_table_html",
+    "kv_padding_figure",
     "CONTEXT_KV_PATH_STYLE", "context_kv_timing_figure", "window_acceptance_figure",
     "plot_training_log", "read_training_log",
     "drafter_comparison_figure", "live_training_figure", "update_live_training_figure",

@@ -149,3 +149,37 @@ def kv_group_memory_figure(memory, *, title: str | None = None) -> go.Figure:
     fig.update_layout(title=heading, barmode="stack", showlegend=False, height=top + 110 + 28 * max(len(memory), 1),
                       margin=dict(l=10, r=10, t=top, b=10))
     return fig
+
+
+def kv_padding_figure(cases, *, title: str | None = None) -> go.Figure:
+    """How much of the KV pool vLLM's padding leaves empty, one bar per case.
+
+    ``cases``: (label, ``kv_layout.group_memory`` rows) pairs. A bar is one pool block in
+    every group: the part the groups' layers fill (blue) and the part left empty because a
+    group holds fewer layers than the widest one (grey, vLLM's padding layers), as a share of
+    the whole. That is the most padding can waste: every group holding as many blocks.
+    """
+    labels, used, empty, hover = [], [], [], []
+    for label, memory in cases:
+        total = sum(m.pool_bytes_per_block for m in memory)
+        filled = sum(m.bytes_per_block for m in memory)
+        labels.append(label)
+        used.append(100 * filled / total)
+        empty.append(100 * (total - filled) / total)
+        hover.append(f"{len(memory)} groups · {_kib(filled)} of {_kib(total)} used per pool block in every group")
+    fig = go.Figure()
+    for name, values, color, text in [
+        ("filled by layers", used, PALETTE["blue"], [""] * len(used)),
+        ("left empty (padding)", empty, PALETTE["grey"], [f"{e:.1f} % empty" for e in empty]),
+    ]:
+        fig.add_trace(go.Bar(orientation="h", y=labels, x=values, name=name, marker_color=color, text=text,
+                             textposition="outside" if name.startswith("left") else "none", cliponaxis=False,
+                             hovertext=hover, hovertemplate="%{y}: %{x:.1f} %<br>%{hovertext}<extra>" + name
+                             + "</extra>"))
+    fig.update_xaxes(title_text="% of one pool block in every group: filled (blue), padding (grey)",
+                     range=[0, 118], tickvals=[0, 25, 50, 75, 100])
+    fig.update_yaxes(autorange="reversed", automargin=True)
+    heading, top = _title(*wrapped_title(title or "KV pool left empty by vLLM's padding"))
+    fig.update_layout(title=heading, barmode="stack", height=top + 120 + 34 * max(len(labels), 1),
+                      legend=dict(orientation="h", y=-0.25), margin=dict(l=10, r=10, t=top, b=60))
+    return fig
