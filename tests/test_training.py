@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -487,3 +488,35 @@ def test_prefixes_come_from_the_named_streams_in_their_shares():
     assert from_a == [True] * 6 + [False] * 2 and stats["config"]["sources"] == {"a": 0.75, "b": 0.25}
     with pytest.raises(ValueError, match=r"prefix sources \['c'\] are not corpus streams"):
         train.build_distill_data(target, Tok(), {"a": a}, train.DistillConfig(sources={"c": 1.0}), show_progress=False)
+
+
+def test_a_widened_drafter_drafts_exactly_what_it_was_widened_from():
+    target = micro_target()
+    dcfg = replace(micro_drafter_config(target)[1], num_hidden_layers=2, layer_types=["full_attention"] * 2)
+    drafter = DFlashLagunaDrafter(dcfg).eval()
+    for p in drafter.parameters():  # trained-looking weights: down-projections nowhere near zero
+        p.data.normal_(0, 0.2)
+    ids = torch.randint(4, VOCAB, (2, 24))
+    anchors = torch.tensor([[6, 12], [8, 15]])
+    aux = target_forward(target, ids, dcfg.target_layer_ids, use_cache=False).aux_hidden
+    wide = train.reshape_drafter(drafter, intermediate_size=192).eval()
+    assert wide.config.intermediate_size == 192 and wide.layers[0].mlp.down_proj.weight.shape == (64, 192)
+    assert wide.layers[0].mlp.gate_proj.weight[128:].abs().sum() > 0  # new units are live, not dead
+    with torch.no_grad():
+        base = train.draft_logits_for(target, drafter, ids, anchors, aux, 4)
+        torch.testing.assert_close(train.draft_logits_for(target, wide, ids, anchors, aux, 4), base)
+        shallow = train.reshape_drafter(drafter, num_layers=1).eval()
+        assert shallow.config.num_hidden_layers == 1 and len(shallow.layers) == 1
+        assert shallow.config.layer_types == dcfg.layer_types[:1]
+        for name, value in shallow.state_dict().items():  # the bottom of the stack and the shared parts, kept
+            torch.testing.assert_close(value, drafter.state_dict()[name])
+        assert not torch.allclose(train.draft_logits_for(target, shallow, ids, anchors, aux, 4), base)
+
+
+@pytest.mark.parametrize("kw, error", [({"num_layers": 3}, "num_layers must be 1..2"),
+                                       ({"num_layers": 0}, "num_layers must be 1..2"),
+                                       ({"intermediate_size": 64}, "narrower than the initial drafter's 128")])
+def test_reshaping_refuses_to_deepen_or_narrow(kw, error):
+    dcfg = replace(micro_drafter_config(micro_target())[1], num_hidden_layers=2, layer_types=["full_attention"] * 2)
+    with pytest.raises(ValueError, match=error):
+        train.reshape_drafter(DFlashLagunaDrafter(dcfg), **kw)

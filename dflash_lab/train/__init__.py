@@ -53,7 +53,7 @@ from .cli import main
 from .common import LOG_NAME, freeze, greedy_generate, write_log
 from .distill import DistillConfig, build_distill_data, is_degenerate, load_distill_data, save_distill_data
 from .drafter_training import (ATTENTION_PRESETS, DrafterTrainConfig, check_attention, make_drafter_config,
-                               train_drafter)
+                               reshape_drafter, train_drafter)
 from .evaluate import AcceptanceProbe, evaluate_acceptance, load_pair_for_eval, replay_greedy_decoding
 from .objective import (TargetFeatureCache, block_inputs, dflash_loss, draft_logits_for, gather_positions,
                         label_positions, position_weights, sample_anchors, short_block_mask, target_soft_labels)

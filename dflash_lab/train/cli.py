@@ -64,8 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_common_options(sp)
     add_distill_options(sp)
     sp.add_argument("--out", default=str(DEFAULT_DRAFTER))
-    sp.add_argument("--layers", type=int, default=DrafterTrainConfig.num_layers)
-    sp.add_argument("--intermediate-size", type=int, default=DrafterTrainConfig.intermediate_size)
+    sp.add_argument("--layers", type=int, default=None,
+                    help=f"drafter depth (default {DrafterTrainConfig.num_layers}; with --init: its depth, or fewer)")
+    sp.add_argument("--intermediate-size", type=int, default=None,
+                    help=f"MLP width (default {DrafterTrainConfig.intermediate_size}; with --init: its width, or wider)")
     sp.add_argument("--attention", choices=sorted(ATTENTION_PRESETS), default=None,
                     help="paper: full attention, non-causal; poolside: sliding window 64, causal "
                          "(sets the three options below, which still override it)")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -96,6 +96,47 @@ def make_drafter_config(target_config, cfg: DrafterTrainConfig) -> DFlashDrafter
         sliding_window=cfg.sliding_window, causal=cfg.causal,
         max_position_embeddings=target_config.max_position_embeddings,
     )
+
+
+def reshape_drafter(drafter: DFlashLagunaDrafter, *, num_layers: int | None = None,
+                    intermediate_size: int | None = None, seed: int = 0) -> DFlashLagunaDrafter:
+    """A warm start of another shape: the first ``num_layers`` layers, MLPs widened to ``intermediate_size``.
+
+    Dropping layers keeps the bottom of the stack (the layers nearest the target's features). Widening
+    adds MLP units whose gate/up rows start as a fresh drafter's and whose down-projection columns
+    start at zero, so the widened drafter computes exactly what the original did until training moves
+    it. Narrowing an MLP is refused: it would throw away trained units silently.
+    """
+    old = drafter.config
+    n = old.num_hidden_layers if num_layers is None else int(num_layers)
+    width = old.intermediate_size if intermediate_size is None else int(intermediate_size)
+    if not 1 <= n <= old.num_hidden_layers:
+        raise ValueError(f"num_layers must be 1..{old.num_hidden_layers} (the initial drafter's depth), got {n}")
+    if width < old.intermediate_size:
+        raise ValueError(f"intermediate_size {width} is narrower than the initial drafter's "
+                         f"{old.intermediate_size}: widening only")
+    cfg = replace(old, num_hidden_layers=n, layer_types=old.layer_types[:n], intermediate_size=width, source=None)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        new = DFlashLagunaDrafter(cfg)
+    device = next(drafter.parameters()).device
+    new = new.to(device=device, dtype=next(drafter.parameters()).dtype)
+    old_state, state = drafter.state_dict(), new.state_dict()
+    w0 = old.intermediate_size
+    for name, value in state.items():
+        if name.startswith("layers.") and int(name.split(".")[1]) >= n:
+            continue
+        src = old_state[name]
+        if name.endswith(("mlp.gate_proj.weight", "mlp.up_proj.weight")):
+            value[:w0].copy_(src)  # extra rows keep the fresh initialisation
+        elif name.endswith("mlp.down_proj.weight"):
+            value.zero_()
+            value[:, :w0].copy_(src)  # extra columns start at zero: the output is unchanged
+        else:
+            value.copy_(src)
+    new.load_state_dict(state)
+    new.source = getattr(drafter, "source", None)
+    return new
 
 
 def train_drafter(target, data: dict, cfg: DrafterTrainConfig, continuation: int, *, time_budget: float | None = None,
@@ -241,7 +282,9 @@ def run_distill(args) -> None:
 def run_drafter(args) -> None:
     """`python -m dflash_lab.train drafter`: self-distillation data, training, the checkpoint, evaluation."""
     clock = Clock(args.time_budget)
-    cfg = DrafterTrainConfig(num_layers=args.layers, intermediate_size=args.intermediate_size,
+    shape = {k: v for k, v in (('num_layers', args.layers), ('intermediate_size', args.intermediate_size))
+             if v is not None}
+    cfg = DrafterTrainConfig(**shape,
                              layer_type=args.layer_type, sliding_window=args.sliding_window, causal=args.causal,
                              block_size=args.block_size, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
                              warmup=args.warmup, short_block_share=args.short_block_share, seed=args.seed)
@@ -260,6 +303,11 @@ def run_drafter(args) -> None:
     if args.init:
         init = load_drafter(args.init, device=device, dtype=torch.float32)
         init.source = str(args.init)
+        if args.layers is not None or args.intermediate_size is not None:
+            init = reshape_drafter(init, num_layers=args.layers, intermediate_size=args.intermediate_size,
+                                   seed=args.seed)
+            print(f"initial drafter reshaped to {init.config.num_hidden_layers} layers, "
+                  f"MLP width {init.config.intermediate_size}")
     blocks = [int(b) for b in args.eval_blocks.split(",")]
     reserve = args.eval_prompts * (0.6 + 0.15 * len(blocks)) + 15  # evaluation and saving
     budget = None if args.time_budget is None else clock.left() - reserve
