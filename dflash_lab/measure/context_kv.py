@@ -4,11 +4,14 @@
 the fused Triton epilogue at Laguna-XS.2's drafter shapes, next to the folded path's GEMM
 alone (what no path can beat), and checks every path against the reference with
 ``context_kv_agreement``; ``context_kv_targets`` reads the three ratios the lab aims for.
+``time_context_kv_live`` times the three paths on a drafter as it is (chapter 5 runs it on
+the shipped drafter, on whatever machine runs the chapter, CPU or GPU).
 ``python -m dflash_lab.tools.bench context-kv`` writes them to benchmarks/.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 
@@ -123,3 +126,98 @@ def context_kv_targets(records, L: int = 5, N: int = 32768) -> list[dict]:
         out.append({"ratio": what, "value": round(ratio, 3), "goal": f"{'>=' if higher else '<='} {goal}",
                     "met": ratio >= goal if higher else ratio <= goal})
     return out
+
+
+# ---------------------------------------------------------------------------
+# Live, on the machine the chapter runs on: a drafter as it is (the shipped one)
+# ---------------------------------------------------------------------------
+
+# The paths chapter 5 times live, in the order it draws them; folded_triton only where the kernel runs.
+LIVE_PATHS = ("reference", "batched", "folded", "folded_triton", "gemm_floor")
+
+
+@contextlib.contextmanager
+def cpu_threads(device, threads: int | None):
+    """Run the block with torch on ``threads`` CPU threads (restored after); no change off the CPU or for None."""
+    before = torch.get_num_threads()
+    if threads is not None and torch.device(device).type == "cpu":
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def live_device_name(device, threads: int | None = 1) -> str:
+    """``runtime.device_name`` as it reads inside ``cpu_threads(device, threads)``: a CPU says how many threads time it."""
+    with cpu_threads(device, threads):
+        return device_name(device).replace(" 1 threads)", " 1 thread)")
+
+
+def time_context_kv_path(drafter: DFlashLagunaDrafter, context, positions, path: str, *, fused: bool | None = False,
+                         threads: int | None = 1, budget_s: float = 0.2) -> float:
+    """Median milliseconds of one ``precompute_context_kv(context, positions, path, fused=...)`` (``time_ms``)."""
+    fused = fused if path == "folded" else None
+    with cpu_threads(context.device, threads), torch.no_grad():
+        return time_ms(lambda: drafter.precompute_context_kv(context, positions, path, fused=fused), context.device,
+                       warmup=2, reps=10, budget_s=budget_s)
+
+
+def time_context_kv_live(drafter: DFlashLagunaDrafter, *, contexts, device=None, dtype=None, fused: bool | None = None,
+                         rounds: int = 3, budget_s: float = 0.1, seed: int = 0, threads: int | None = 1) -> list[dict]:
+    """Time reference / batched / folded (and the fused kernel where it runs) on ``drafter`` itself.
+
+    For each context length N: a random (N, H) context at positions 0..N-1, every path
+    checked against the reference (``context_kv_agreement``), then timed with
+    ``time_ms``. The paths are timed in ``rounds`` interleaved rounds and each keeps its
+    fastest round's median, so that a burst of other work on a shared CPU lands on one
+    round of every path rather than on all of one path. ``fused``: None = the fused
+    Triton epilogue is timed where ``kernels.fused_available`` says it can run, False =
+    never, True = insist. ``threads``: on a CPU, torch runs on this many threads while
+    timing (default one: a small CPU shared with other work makes multi-threaded
+    timings swing by several times; None keeps torch's setting); the device name says it.
+    Returns records in benchmarks/context_kv.json's form ({"path", "layers", "context",
+    "ms", "device"}) plus "hidden", "dtype" and "agrees".
+    """
+    device = torch.device(device) if device is not None else next(drafter.parameters()).device
+    dtype = dtype or next(drafter.parameters()).dtype
+    with cpu_threads(device, threads):
+        return _time_context_kv_live(drafter, contexts, device, dtype, fused, rounds, budget_s, seed)
+
+
+def _time_context_kv_live(drafter, contexts, device, dtype, fused, rounds, budget_s, seed) -> list[dict]:
+    cfg, L, name = drafter.config, len(drafter.layers), live_device_name(device, None)  # threads set by the caller
+    probe = torch.empty(0, device=device, dtype=dtype)
+    run_fused = kernels.fused_available(probe, fused)
+    paths = context_kv_paths(drafter, compiled=False, fused=run_fused)
+    records = []
+    for N in sorted(contexts):
+        g = torch.Generator(device).manual_seed(seed + N)
+        x = torch.randn(N, cfg.hidden_size, device=device, generator=g).to(dtype)
+        pos = torch.arange(N, device=device)
+        best, agrees = {}, {}
+        with torch.no_grad():
+            ref = paths["reference"](x, pos)
+            for path in LIVE_PATHS:
+                if path in paths and path not in ("reference", "gemm_floor"):
+                    agrees[path] = bool(context_kv_agreement(paths[path](x, pos), ref)["ok"])
+            del ref
+            for i in range(rounds):
+                for path in LIVE_PATHS:
+                    if path in paths:  # warm-up in the first round only: each path has run by then
+                        ms = time_ms(lambda: paths[path](x, pos), device, warmup=1 if i == 0 else 0, reps=10,
+                                     budget_s=budget_s)
+                        best[path] = min(ms, best.get(path, float("inf")))
+        for path in LIVE_PATHS:
+            if path in best:
+                records.append({"path": path, "layers": L, "context": N, "ms": round(best[path], 4), "device": name,
+                                "hidden": cfg.hidden_size, "dtype": str(dtype).removeprefix("torch."),
+                                "agrees": agrees.get(path, True)})
+    return records
+
+
+def speedup(records, faster: str, slower: str, N: int) -> float | None:
+    """How many times faster ``faster`` ran than ``slower`` at context N (one drafter depth's records)."""
+    t_fast = next((r["ms"] for r in records if (r["path"], r["context"]) == (faster, N)), None)
+    t_slow = next((r["ms"] for r in records if (r["path"], r["context"]) == (slower, N)), None)
+    return None if not t_fast or not t_slow else t_slow / t_fast

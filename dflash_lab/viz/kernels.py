@@ -81,6 +81,59 @@ def context_kv_timing_figure(records, *, layers: int = 5, highlight: str | None 
                   height=450)
 
 
+def _shape_label(rows) -> str:
+    r = rows[0]
+    hidden = f", hidden {r['hidden']}" if "hidden" in r else ""
+    dtype = f", {r['dtype']}" if "dtype" in r else ""
+    return f"{r['layers']} drafter layers{hidden}{dtype}"
+
+
+def context_kv_live_figure(live, committed, *, committed_layers: int = 5, live_what: str = "the shipped drafter",
+                           committed_what: str = "Laguna-XS.2 shapes", title: str | None = None) -> go.Figure:
+    """Two panels, one unit (ms, log scale): the context-K/V paths timed now (left) beside a committed run (right).
+
+    ``live``: ``measure.context_kv.time_context_kv_live`` records (one drafter depth);
+    ``committed``: benchmarks/context_kv.json's, drawn at ``committed_layers``. Each
+    panel's title names its device and shapes; a path keeps its colour in both.
+    """
+    if not live:
+        raise ValueError("no live timing records")
+    right = [r for r in committed if r["layers"] == committed_layers]
+    if not right:
+        raise ValueError(f"no committed timing records for {committed_layers} layers")
+    panels = [(live, f"measured now · {live[0]['device']}<br>{live_what}, {_shape_label(live)}"),
+              (right, f"committed run · {right[0]['device']}<br>{committed_what}, {_shape_label(right)}")]
+    fig = make_subplots(rows=1, cols=2, subplot_titles=[t for _, t in panels], horizontal_spacing=0.09)
+    shown = set()
+    for col, (rows, _) in enumerate(panels, start=1):
+        contexts = sorted({r["context"] for r in rows})
+        ms = {(r["path"], r["context"]): r["ms"] for r in rows}
+        xs = [_tokens_label(n) for n in contexts]
+        values = []
+        for path, (label, colour) in CONTEXT_KV_PATH_STYLE.items():
+            ys = [ms.get((path, n)) for n in contexts]
+            if all(y is None for y in ys):
+                continue
+            values += [y for y in ys if y]
+            where = "measured now" if col == 1 else "committed run"
+            hover = f"N = %{{x}}: %{{y:.3f}} ms<extra>{label} ({where})</extra>"
+            if path == "gemm_floor":
+                trace = go.Scatter(x=xs, y=ys, name=label, legendgroup=path, mode="lines+markers",
+                                   line=dict(color=colour, dash="dash"), showlegend=path not in shown,
+                                   hovertemplate=hover)
+            else:
+                trace = go.Bar(x=xs, y=ys, name=label, legendgroup=path, showlegend=path not in shown,
+                               marker=dict(color=colour, line=dict(color="black", width=0.6)), hovertemplate=hover)
+            fig.add_trace(trace, 1, col)
+            shown.add(path)
+        fig.update_yaxes(type="log", title_text="ms (log scale)", row=1, col=col, **decade_ticks(values))
+    fig.update_annotations(font_size=12)
+    fig.update_layout(barmode="group", legend=dict(orientation="h", y=-0.25))
+    fig.update_xaxes(title_text="context tokens N")
+    return titled(fig, title or f"Context K/V precompute: measured now on {live[0]['device']} (left) beside the "
+                  f"committed {right[0]['device']} run (right)", height=480)
+
+
 def window_acceptance_figure(stats_by_window: dict, *, title: str | None = None) -> go.Figure:
     """Mean acceptance length against the drafter's attention window.
 

@@ -9,6 +9,7 @@ Records are benchmarks/spec_decode.json's "records" ({"method", "block_size", "b
 from __future__ import annotations
 
 import plotly.graph_objects as go
+from plotly.subplots import make_subplots
 
 from dflash_lab.viz.common import PALETTE, method_color, titled
 
@@ -23,9 +24,14 @@ PHASE_STYLE = {
 }
 
 
+# batch size -> colour in the speed-up panel (one colour per batch; the x axis names the method)
+BATCH_COLORS = (PALETTE["blue"], PALETTE["orange"], PALETTE["green"], PALETTE["purple"], PALETTE["sky"])
+
+
 def speedup_vs_tau_figure(records, *, cuda_graphs: bool = True, title: str | None = None) -> go.Figure:
-    """Per method and block size: tau (tokens per target forward, the ceiling of the speedup) next to the
-    measured tokens/s over plain greedy decoding at each batch size."""
+    """Per method and block size, two panels with one unit each: left, tau (tokens per target forward,
+    the ceiling of the speedup); right, the measured tokens/s over plain greedy decoding, one colour per
+    batch size."""
     rows = [r for r in records if r["cuda_graphs"] == cuda_graphs]
     if not rows:
         raise ValueError(f"no records with cuda_graphs={cuda_graphs}")
@@ -35,25 +41,30 @@ def speedup_vs_tau_figure(records, *, cuda_graphs: bool = True, title: str | Non
     xs = [f"{METHOD_LABELS.get(m, m)}, block {b}" for m, b in configs]
     by = {(r["method"], r["block_size"], r["batch"]): r for r in rows}
     batch1 = [by.get((m, b, min(base))) for m, b in configs]
-    fig = go.Figure(go.Bar(
-        x=xs, y=[r["mean_acceptance_length"] if r else None for r in batch1], name="tau (tokens per target forward)",
-        marker=dict(color="white", line=dict(color="black", width=1.2)),
-        hovertemplate="%{x}: tau %{y:.2f}<extra></extra>"))
-    shades = [1.0, 0.65, 0.35]
+    fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.1, subplot_titles=(
+        f"τ: tokens per target forward (batch {min(base)})", "measured speedup over plain greedy decoding"))
+    fig.add_trace(go.Bar(
+        x=xs, y=[r["mean_acceptance_length"] if r else None for r in batch1], name=f"τ (batch {min(base)})",
+        marker=dict(color=[method_color(x) for x in xs], line=dict(color="black", width=0.6)),
+        hovertemplate="%{x}: τ %{y:.2f}<extra></extra>"), 1, 1)
     for i, batch in enumerate(sorted(base)):
         ys = [by[(m, b, batch)]["tokens_per_s"] / base[batch] if (m, b, batch) in by else None for m, b in configs]
         fig.add_trace(go.Bar(
-            x=xs, y=ys, name=f"measured speedup, batch {batch}",
-            marker=dict(color=[method_color(x) for x in xs], opacity=shades[i % len(shades)],
-                        line=dict(color="black", width=0.6)),
+            x=xs, y=ys, name=f"speedup, batch {batch}",
+            marker=dict(color=BATCH_COLORS[i % len(BATCH_COLORS)], line=dict(color="black", width=0.6)),
             customdata=[[by[(m, b, batch)]["tokens_per_s"], base[batch]] if (m, b, batch) in by else [None, None]
                         for m, b in configs],
-            hovertemplate=f"%{{x}}, batch {batch}: %{{y:.2f}}x (%{{customdata[0]:.0f}} vs %{{customdata[1]:.0f}} tok/s)"
-                          "<extra></extra>"))
-    fig.add_hline(y=1, line=dict(color="black", dash="dash"))
-    fig.update_layout(barmode="group", legend=dict(orientation="h", y=-0.2), yaxis_title="x plain greedy / tau")
+            hovertemplate=f"%{{x}}, batch {batch}: %{{y:.2f}}× (%{{customdata[0]:.0f}} vs %{{customdata[1]:.0f}} tok/s)"
+                          "<extra></extra>"), 1, 2)
+    fig.add_hline(y=1, line=dict(color="black", dash="dash"), row=1, col=1)
+    fig.add_hline(y=1, line=dict(color="black", dash="dash"), row=1, col=2)
+    fig.update_yaxes(title_text="τ (tokens per target forward)", rangemode="tozero", row=1, col=1)
+    fig.update_yaxes(title_text="× plain greedy (tokens/s ratio)", rangemode="tozero", row=1, col=2)
+    fig.update_xaxes(tickangle=-40, automargin=True)
+    fig.update_annotations(font_size=12)
+    fig.update_layout(barmode="group", legend=dict(orientation="h", y=-0.45))
     graphs = "CUDA graphs on" if cuda_graphs else "CUDA graphs off"
-    return titled(fig, title or f"Measured speedup next to tau · {rows[0].get('device', '?')}, {graphs}", height=430)
+    return titled(fig, title or f"τ and the measured speedup · {rows[0].get('device', '?')}, {graphs}", height=520)
 
 
 def step_time_figure(phases: dict, *, taus: dict | None = None, title: str | None = None) -> go.Figure:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import ipywidgets as widgets
+import torch
 
 from dflash_lab import viz
 from dflash_lab.spec_decode.fast import context_kv_kernel as kernels
 from dflash_lab.context_kv import CONTEXT_KV_PATHS
 from dflash_lab.drafter import with_window
+from dflash_lab.measure import context_kv as bench_context_kv
 from dflash_lab.spec_decode import generate_on_prompts
 from dflash_lab.widgets.common import (
     CONTEXT_KV_DTYPES,
@@ -21,43 +23,74 @@ from dflash_lab.widgets.common import (
 from dflash_lab.widgets.context_kv import sliding_window_explorer
 
 
+FUSED_NEEDS = "needs a CUDA GPU with Triton"  # what the fused control says where the kernel cannot run
+
+
 def fused_kernel_explorer(drafter, context, positions, records, *, layers: int = 5) -> widgets.VBox:
-    """Pick a context-K/V path and flip the fused Triton epilogue; see parity and what it costs.
+    """Pick a context-K/V path and flip the fused Triton epilogue; see parity, the time it takes here, and
+    what it costs at Laguna-XS.2's shapes.
 
     Each change re-runs ``drafter.precompute_context_kv`` on ``context`` with
-    ``fused=`` passed explicitly (the kernel runs only where it can: CUDA with
-    Triton; no process-wide switch changes), judges it against the reference path
-    with ``context_kv.context_kv_agreement`` (the rule chapter 2 uses), says what
-    actually ran here, and highlights the chosen path in
-    ``viz.context_kv_timing_figure`` of ``records`` (timings from a GPU: live, or
-    benchmarks/context_kv.json). The returned box exposes ``.path``, ``.fused``,
-    ``.dtype``, ``.layers``, ``.parity`` and ``.figure``.
+    ``fused=`` passed explicitly (no process-wide switch changes), judges it against
+    the reference path with ``context_kv.context_kv_agreement`` (the rule chapter 2
+    uses), times it here with ``measure.context_kv.time_context_kv_path``
+    (``time_ms``; one thread on a CPU) and says what actually ran. The fused kernel
+    runs only on a CUDA GPU with Triton: there the checkbox (folded path) switches
+    it, and the line gives the folded path's time with the kernel and without; elsewhere
+    the checkbox is off, disabled, and says that it needs one. The figure,
+    ``viz.context_kv_timing_figure`` of ``records`` (a GPU's: live, or
+    benchmarks/context_kv.json), highlights the chosen path. The returned box exposes
+    ``.path``, ``.fused``, ``.dtype``, ``.layers``, ``.parity``, ``.timing`` (the last
+    measured milliseconds, by what ran), ``.runnable`` and ``.figure``.
     """
     depths = sorted({r["layers"] for r in records})
+    runnable = kernels.triton is not None and context.is_cuda
     path = widgets.ToggleButtons(options=list(CONTEXT_KV_PATHS), value="folded", description="path", style=WIDE_BUTTONS)
-    fused = widgets.Checkbox(value=kernels.fused_enabled(), description="fused Triton epilogue (folded path)",
-                             indent=False, layout=widgets.Layout(width="auto"))
+    if runnable:
+        fused = widgets.Checkbox(value=kernels.fused_enabled(), description="fused Triton epilogue (folded path)",
+                                 indent=False, layout=widgets.Layout(width="auto"))
+    else:
+        fused = widgets.Checkbox(value=False, disabled=True, description=f"fused Triton epilogue: {FUSED_NEEDS}",
+                                 indent=False, layout=widgets.Layout(width="auto"),
+                                 tooltip=f"The fused kernel {FUSED_NEEDS}; this machine runs {context.device.type} "
+                                         f"tensors{'' if kernels.triton is not None else ' and has no Triton'}.")
     dtype = widgets.ToggleButtons(options=list(CONTEXT_KV_DTYPES), value="float32", description="dtype", style=WIDE_BUTTONS)
     depth = widgets.Dropdown(options=depths, value=layers if layers in depths else depths[-1],
                              description="timings for L", style=WIDE, layout=widgets.Layout(width="auto"))
     parity = widgets.HTML()
-    runnable = kernels.triton is not None and context.is_cuda
+    timing = {}
     copies = {}
 
+    def time_here(run_path, run_fused):
+        model, ctx = copies[dtype.value], context.to(getattr(torch, dtype.value))
+        return bench_context_kv.time_context_kv_path(model, ctx, positions, run_path, fused=run_fused)
+
     def measure():
-        run_fused = path.value == "folded" and fused.value and runnable  # where it cannot run: torch ops
-        out, ref, agree, ms = _measure_context_kv(copies, drafter, context, positions, path.value, dtype.value,
-                                                  fused=run_fused)
+        fused.disabled = not runnable or path.value != "folded"  # the kernel is the folded path's epilogue
+        run_fused = path.value == "folded" and fused.value and runnable
+        _, _, agree, _ = _measure_context_kv(copies, drafter, context, positions, path.value, dtype.value,
+                                             fused=run_fused)
         ran = path.value
         if path.value == "folded":
             ran = "folded + fused Triton epilogue" if run_fused else "folded in torch"
-            if fused.value and not runnable:
-                ran += " (the kernel needs a CUDA GPU; on one, this choice runs it)"
-        parity.value = (f"ran here: <b>{ran}</b> on {context.device.type}, {dtype.value}, N = {context.shape[0]}: "
-                        f"{_agreement_html(agree)} against the reference · {ms:.1f} ms")
+        ms = time_here(path.value, run_fused)
+        timing.clear()
+        timing[ran] = ms
+        line = (f"ran here: <b>{ran}</b> on {context.device.type}, {dtype.value}, N = {context.shape[0]}: "
+                f"{_agreement_html(agree)} against the reference · median <b>{ms:.3f} ms</b> "
+                f"({bench_context_kv.live_device_name(context.device)})")
+        if path.value == "folded" and runnable:  # the toggle's effect, both sides measured now
+            other = time_here("folded", not run_fused)
+            timing["folded in torch" if run_fused else "folded + fused Triton epilogue"] = other
+            with_k, without = (ms, other) if run_fused else (other, ms)
+            line += (f"<br>folded path here: {with_k:.3f} ms with the fused kernel, {without:.3f} ms without "
+                     f"({without / with_k:.2f}×)")
+        elif not runnable:
+            line += f"<br>the fused kernel {FUSED_NEEDS}: not run here"
+        parity.value = line
 
     def figure():
-        chosen = "folded_triton" if path.value == "folded" and fused.value else path.value
+        chosen = "folded_triton" if path.value == "folded" and fused.value and runnable else path.value
         return viz.context_kv_timing_figure(records, layers=depth.value, highlight=chosen)
 
     measure()
@@ -69,12 +102,15 @@ def fused_kernel_explorer(drafter, context, positions, records, *, layers: int =
 
     for control in (path, fused, dtype, depth):
         control.observe(redraw, names="value")
-    note = widgets.HTML("" if runnable else "<i>No CUDA GPU here: the fused kernel cannot run, the switch only "
-                        "changes which bar is highlighted (the timings come from a GPU run).</i>")
+    note = widgets.HTML("" if runnable else (
+        f"<i>The fused kernel {FUSED_NEEDS}; this machine runs {context.device.type} tensors"
+        f"{'' if kernels.triton is not None else ' and has no Triton'}, so its checkbox is off and disabled. "
+        "The paths above are timed here; the chart's fused bars come from the GPU run.</i>"))
     wrap = widgets.Layout(flex_flow="row wrap")
     box = widgets.VBox([widgets.HBox([path, depth], layout=wrap), widgets.HBox([fused, dtype], layout=wrap), note,
                         parity, fig])
     box.path, box.fused, box.dtype, box.layers, box.parity, box.figure = path, fused, dtype, depth, parity, fig
+    box.timing, box.runnable = timing, runnable
     return box
 
 

@@ -31,9 +31,10 @@
 #   the drafter needed. The cache itself stays full.
 #
 # Fusing and folding should change only the time, not the numbers (up to rounding);
-# the window changes what the drafter sees, on purpose. On this machine the fused
-# kernel runs only if there is a GPU; otherwise the chapter reads timings measured on
-# an H200.
+# the window changes what the drafter sees, on purpose. The chapter times the three
+# paths on the machine it runs on (a CPU or a GPU) and sets them beside a committed run
+# on an H200 at a real drafter's size. The fused kernel runs only on a CUDA GPU with
+# Triton; elsewhere its switch says so and stays off.
 #
 # **In engineering terms**, these are two knobs of the drafter that change *cost* but
 # should not change *what it computes* — or, for the window, change it on purpose:
@@ -55,11 +56,12 @@
 import copy
 import json
 import os
+import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing in the lab reaches the network
 
 import torch
-from IPython.display import display
+from IPython.display import Markdown, display
 from tqdm.auto import tqdm
 
 from dflash_lab import viz
@@ -72,6 +74,8 @@ from dflash_lab.runtime import REPO_ROOT, seed_everything
 from dflash_lab.spec_decode import generate_on_prompts
 from dflash_lab.target import target_forward
 from dflash_lab.measure import context_kv as bench_context_kv, decoding as bench_fast_decode
+from dflash_lab.measure.timing import XS2
+from dflash_lab.viz.kernels import context_kv_live_figure
 from dflash_lab.widgets import fused_kernel_explorer, window_acceptance_explorer
 
 seed_everything(0)
@@ -160,12 +164,34 @@ print(f"at L={L}, N={N}: GEMM {gemm_flop / 1e12:.2f} TFLOP; "
       f"epilogue moves {kernels.epilogue_bytes(N, L, nkv, hd, torch.bfloat16) / 1e9:.2f} GB (GEMM output read once, K and V written once)")
 
 # %% [markdown]
-# ## 4 · What it costs
+# ## 4 · What it costs, measured here
 #
-# Timings of every path at Laguna-XS.2's drafter shapes (hidden 2048, 8 KV heads of
-# 128, bf16), in one process with CUDA events: on a GPU this cell measures them now
-# (a minute, `torch.compile` included); on a CPU it reads the committed H200 run,
-# `benchmarks/context_kv.json` (`python -m dflash_lab.tools.bench context-kv`).
+# First on this machine, now: the three paths on the shipped drafter itself (its own
+# shapes and dtype) at a few context lengths, next to the folded path's GEMM alone, the
+# one product every path must do. Each is timed with `measure.timing.time_ms` (median
+# after warm-up: CUDA events on a GPU, a host clock on a CPU, where torch runs on one
+# thread so that other work on a small shared CPU moves the numbers less), in three
+# interleaved rounds, keeping each path's fastest. On a GPU with Triton the fused kernel
+# is timed too. About ten seconds on a 2-core CPU.
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+LIVE_CONTEXTS = [128, 512, 2048]
+started = time.perf_counter()
+live = bench_context_kv.time_context_kv_live(drafter, contexts=LIVE_CONTEXTS, device=device)
+live_s = time.perf_counter() - started
+live_paths = list(dict.fromkeys(r["path"] for r in live))
+print(f"timed now on {live[0]['device']}, {live[0]['dtype']}, {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size} "
+      f"({live_s:.1f} s); every path agrees with the reference: {all(r['agrees'] for r in live)}")
+print("N       " + "".join(f"{p:>15s}" for p in live_paths))
+for n in LIVE_CONTEXTS:
+    print(f"{n:<8d}" + "".join(f"{bench_context_kv.lookup_ms(live, p, cfg.num_hidden_layers, n):12.3f} ms" for p in live_paths))
+
+# %% [markdown]
+# Beside it, the committed run: every path at Laguna-XS.2's drafter shapes, in bf16, in
+# one process with CUDA events, `benchmarks/context_kv.json`
+# (`python -m dflash_lab.tools.bench context-kv`). On a GPU the next cell measures that
+# run again now (a minute, `torch.compile` included) for the explorer below.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -176,33 +202,66 @@ if device.type == "cuda":
                                                  fused=kernels.fused_available(context), progress=lambda s: None)
 else:
     records = committed
-print("timings from:", records[0]["device"], "(live)" if records is not committed else "(committed run)")
+print("XS.2-shaped timings from:", records[0]["device"], "(live)" if records is not committed else "(committed run)")
 
 # %%
-viz.context_kv_timing_figure(records, layers=5, highlight="folded_triton")
+xs2_shapes = (f"Laguna-XS.2 shapes: hidden {XS2['hidden_size']}, {XS2['num_key_value_heads']} KV heads × "
+              f"{XS2['head_dim']}, bfloat16")
+context_kv_live_figure(live, committed, committed_layers=5, live_what="the shipped drafter", committed_what=xs2_shapes)
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+def times(a_ms, b_ms):
+    """'2.3× faster' / '1.4× slower': how the path that took b_ms compares with the one that took a_ms."""
+    r = a_ms / b_ms
+    return f"{r:.1f}× faster" if r >= 1 else f"{1 / r:.1f}× slower"
+
+
+L_here, N_top = cfg.num_hidden_layers, max(LIVE_CONTEXTS)
+here = {p: bench_context_kv.lookup_ms(live, p, L_here, N_top) for p in live_paths}
+there = {p: bench_context_kv.lookup_ms(committed, p, 5, 32768) for p in ("reference", "batched", "folded", "gemm_floor")}
+display(Markdown(
+    f"Here ({live[0]['device']}, N = {N_top}): `batched` is {times(here['reference'], here['batched'])} than the "
+    f"reference loop and `folded` is {times(here['reference'], here['folded'])}; the GEMM alone takes "
+    f"{here['gemm_floor'] / here['folded']:.0%} of the folded path's time. On the {committed[0]['device']} at "
+    f"Laguna-XS.2 shapes (L = 5, N = 32768) the same two paths are {times(there['reference'], there['batched'])} "
+    f"and {times(there['reference'], there['folded'])} than the loop, and the GEMM is {there['gemm_floor'] / there['folded']:.0%} "
+    f"of the folded path. Either way, what separates the paths is not the product, which they share, but the "
+    f"passes over memory around it (norms, RoPE, copies): how much they cost next to the GEMM depends on the "
+    f"machine and on the shapes."
+    + (f" The fused kernel here: {times(here['folded'], here['folded_triton'])} than the folded path in torch."
+       if "folded_triton" in here else
+       " The fused kernel needs a CUDA GPU with Triton, so it is not timed here; the committed run has it.")))
 
 # %% [markdown]
-# The issue's targets, on the committed H200 run at L = 5, N = 32768: the fused path
-# at least 4× faster than the reference, 1.5× faster than `torch.compile` of the
-# batched path, and within 1.25× of the GEMM alone. Read the middle ratio for what it
-# is: `batched` is vLLM's *structure* in torch ops; vLLM itself runs custom kernels
-# there (a grouped `ops.rms_norm`, an in-place `ops.rotary_embedding`), so these are
-# speed-ups over a torch re-implementation, not over vLLM.
+# The lab's targets for the fused kernel, on the committed H200 run at L = 5, N = 32768:
+# the fused path at least 4× faster than the reference, 1.5× faster than `torch.compile`
+# of the batched path, and within 1.25× of the GEMM alone. Read the middle ratio for
+# what it is: `batched` is vLLM's *structure* in torch ops; vLLM itself runs custom
+# kernels there (a grouped `ops.rms_norm`, an in-place `ops.rotary_embedding`), so these
+# are speed-ups over a torch re-implementation, not over vLLM.
 
 # %%
 for t in bench_context_kv.context_kv_targets(committed):
     print(f"{t['ratio']:34s} {t['value']:.2f}  goal {t['goal']:7s} met: {t['met']}")
 
+# %%
+epilogue_ms = kernels.epilogue_bytes(N, L, nkv, hd, torch.bfloat16) / 4e12 * 1e3  # one read + one write at 4 TB/s
+display(Markdown(
+    f"Why the GEMM is the floor: every path must at least multiply the context by every layer's K/V weights. The "
+    f"folded path does exactly that product once; what is left above the floor is the epilogue's one read and one "
+    f"write (about {epilogue_ms:.2f} ms at an H200's 4 TB/s at L = {L}, N = {N}) and the row `1/rms` pass. On the "
+    f"{committed[0]['device']} the eager `batched` path is only {there['reference'] / there['batched']:.2f}× the "
+    f"loop's speed at N = 32768: its elementwise passes (L copies of the normalised context, norms, RoPE, a permute "
+    f"copy) cost more than its GEMM."))
+
 # %% [markdown]
-# Why the GEMM is the floor: every path must at least multiply the context by every
-# layer's K/V weights. The folded path does exactly that product once; what is left
-# above the floor is the epilogue's one read and one write (about 0.34 ms at 4 TB/s
-# here) and the row `1/rms` pass. The eager `batched` path barely beats the loop at
-# long contexts: its elementwise passes (L copies of the normalised context, norms,
-# RoPE, a permute copy) cost more than its GEMM.
-#
-# Pick a path and flip the kernel. The parity line says what ran **here**; the chart
-# highlights what that choice costs on the GPU.
+# Pick a path and flip the kernel. The line under the controls says what ran **here**,
+# whether it agrees with the reference, and how long it took here (`time_ms`, on the
+# 256-token context of §1). On a CUDA GPU with Triton the checkbox switches the fused
+# kernel for the folded path and the line gives that path's time with and without it;
+# on a CPU the checkbox is off and disabled, and says that the kernel needs a GPU. The
+# chart highlights what the choice costs at Laguna-XS.2's shapes on the GPU.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -214,8 +273,8 @@ fused_kernel_explorer(drafter, context, positions, records)
 # Speculative decoding exists to be faster, so measure it. The teaching loop
 # (`speculative_generate`) is the wrong thing to time on a GPU: it runs
 # transformers' forward with a growing cache, hundreds of tiny kernels launched
-# one by one from Python, and the shipped 8.8 M-parameter target takes ~34 ms
-# per forward there — launch overhead, not arithmetic. The lab's fast path
+# one by one from Python, and on a target as small as the shipped one that is
+# launch overhead, not arithmetic. The lab's fast path
 # (`dflash_lab.spec_decode.fast.decoder`) computes the same thing the way a server
 # does: static KV caches written in place (slot = position, so a rejected draft
 # needs no crop), the MoE as grouped GEMMs, RMSNorm and head-norm + RoPE as one
@@ -253,18 +312,34 @@ for r in speed_records:
 # %%
 viz.speedup_vs_tau_figure(speed_records)
 
+# %%
+ph = phases
+step_ms = {m: sum(ph[m][f"{k}_ms_per_step"] for k in ("draft", "verify", "append", "accept")) for m in ph}
+verify_ratio = ph["dflash"]["verify_ms_per_step"] / ph["target_only"]["verify_ms_per_step"]
+drafting_ms = step_ms["dflash"] - ph["dflash"]["verify_ms_per_step"]
+b16 = {r["batch"]: r["tokens_per_s"] / base[(r["batch"], True)] for r in speed_records
+       if r["method"] == "dflash" and r["block_size"] == 16 and r["cuda_graphs"]}
+tau16 = next(r["mean_acceptance_length"] for r in speed_records if r["method"] == "dflash" and r["block_size"] == 16
+             and r["batch"] == 1 and r["cuda_graphs"])
+batches = sorted(b16)
+trend = ("" if len(batches) == 1 else ", and it shrinks as the batch grows"
+         if all(b16[a] > b16[b] for a, b in zip(batches, batches[1:])) else ", and it changes with the batch")
+display(Markdown(
+    f"On the {speed_records[0]['device']}, DFlash at block 16 reaches "
+    + ", ".join(f"{b16[b]:.2f}× at batch {b}" for b in batches)
+    + f", against τ {tau16:.2f} at batch 1: the speedup stays {'well ' if b16[batches[0]] < 0.75 * tau16 else ''}"
+    f"under τ{trend}. Both have the same cause on a model this small: every kernel is latency-bound, so a "
+    f"step costs about the same whatever it computes. Verifying {ph['dflash']['block_size']} tokens costs "
+    f"{verify_ratio:.2f}× one token's forward ({ph['dflash']['verify_ms_per_step']:.3f} vs "
+    f"{ph['target_only']['verify_ms_per_step']:.3f} ms) — that part works for DFlash — but the drafter step is not "
+    f"free: the drafter's layers, the lm_head, the context-K/V append and the acceptance add {drafting_ms:.3f} ms, "
+    f"{drafting_ms / step_ms['target_only']:.0%} of a plain decoding step ({step_ms['target_only']:.3f} ms)."
+    + (f" At batch {batches[-1]} the target's own forward is already shared by {batches[-1]} sequences, and drafting "
+       "adds work that plain decoding does not do." if batches[-1] > 1 else "")
+    + " [Prompt lookup](GLOSSARY.md#prompt-lookup) has no drafter forward, but "
+    "its drafts come from the host, so every step waits for a read-back."))
+
 # %% [markdown]
-# The speedup stays well under τ, and it shrinks as the batch grows. Both have
-# the same cause on a model this small: every kernel is latency-bound, so a
-# step costs about the same whatever it computes. Verifying 16 tokens costs
-# only ~1.2× one token's forward — that part works for DFlash — but the drafter
-# step is not free: four drafter layers, the lm_head, the context-K/V append
-# and the acceptance add almost half of a plain decoding step. At batch 32 the
-# target's own forward is already shared by 32 sequences, and drafting adds work
-# that plain decoding does not do. [Prompt lookup](GLOSSARY.md#prompt-lookup) has no
-# drafter forward, but its drafts come from the host, so every step waits for a
-# read-back; at batch 32 that wait dominates.
-#
 # Where one batch-1 step's time goes, each phase captured as its own graph:
 
 # %%
@@ -272,14 +347,16 @@ taus = {"dflash": next(r["mean_acceptance_length"] for r in speed_records if r["
                        and r["block_size"] == phases["dflash"]["block_size"] and r["batch"] == 1 and r["cuda_graphs"])}
 viz.step_time_figure(phases, taus=taus)
 
-# %% [markdown]
-# On Laguna-XS.2 the balance is different: the target is ~40 layers of 256
-# experts, and one graphed drafter step costs about a ninth of a target forward
-# (`benchmarks/spec_decode.md`, "Laguna-XS.2 projection"). There the question
-# becomes how much more a 16-token verification costs than a 1-token decode —
-# with MoE, 16 tokens route to many more experts, whose weights must all be read.
-
 # %%
+proj = speed.get("projection_graphed", {}).get("timings")
+if proj:
+    share = proj["drafter_ms"]["16"] / proj["target_per_block"]["1"]["graphed"]["40_layers_ms"]
+    display(Markdown(
+        f"On Laguna-XS.2 the balance is different: the target is 40 layers of MoE experts, and one graphed "
+        f"{proj['drafter_layers']}-layer drafter step at block 16 costs {share:.2f} of a target forward (about 1/"
+        f"{1 / share:.0f}; `benchmarks/spec_decode.md`, \"Laguna-XS.2 projection\"). There the question becomes how "
+        "much more a 16-token verification costs than a 1-token decode — with MoE, 16 tokens route to many more "
+        "experts, whose weights must all be read."))
 for r in speed.get("projection_graphed", {}).get("speedups", []):
     print(f"XS.2 projection, block {r['block_size']:>2}: tau {r['tokens_per_step']:.2f}, "
           f"T_target(1) {r['T_target_1_ms']:.2f} ms, T_target(B) {r['T_target_B_ms']:.2f} ms, "
@@ -376,6 +453,14 @@ print(f"- With the whole decode step fused and graphed ({dflash16['device']}), D
 full, w32, w8 = (by_window[w].mean_acceptance_length for w in (None, 32, 8))
 print(f"- The window changes what the drafter sees, not the cache: on {len(prompts)} held-out prompts, block "
       f"{BLOCK}, tau {full:.2f} with full attention, {w32:.2f} with a window of 32, {w8:.2f} with a window of 8.")
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+print(f"- The time, measured here ({live[0]['device']}, the shipped drafter, N = {N_top}): batched "
+      f"{times(here['reference'], here['batched'])} and folded {times(here['reference'], here['folded'])} than the "
+      f"reference loop" + (f", the fused kernel {times(here['reference'], here['folded_triton'])}."
+                           if "folded_triton" in here else
+                           "; the fused kernel needs a CUDA GPU with Triton and was not run here."))
 
 # %% [markdown]
 # - The three context-K/V paths compute the same K and V; the fused kernel keeps the
