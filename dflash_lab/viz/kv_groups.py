@@ -181,5 +181,5 @@ def kv_padding_figure(cases, *, title: str | None = None) -> go.Figure:
     fig.update_yaxes(autorange="reversed", automargin=True)
     heading, top = _title(*wrapped_title(title or "KV pool left empty by vLLM's padding"))
     fig.update_layout(title=heading, barmode="stack", height=top + 120 + 34 * max(len(labels), 1),
-                      legend=dict(orientation="h", y=-0.25), margin=dict(l=10, r=10, t=top, b=60))
+                      legend=dict(orientation="h", y=-0.25, traceorder="normal"), margin=dict(l=10, r=10, t=top, b=60))
     return fig
