@@ -29,6 +29,9 @@ GOOD_CELLS = [
     "    pass\n"
     "for _ in tqdm(range(8), desc='closed bar', leave=False):  # closed at the end, its text never redrawn\n"
     "    pass",
+    "import sys  # a known harmless notice (left out of the page) and a line the reader must see (kept)\n"
+    "sys.stderr.write('Triton is not ' + 'installed. triton-cpu is expected on x86 CPUs.\\n')\n"
+    "sys.stderr.write('a real ' + 'warning\\n')",
 ]
 BROKEN_CELLS = [
     "# A broken chapter",
@@ -86,6 +89,9 @@ def test_report_of_a_good_notebook_is_self_contained_with_widget_state(tmp_path)
     assert "kept bar: 100%" in drawn and " 8/8 " in drawn
     assert re.search(r'<progress (max="8(\.0)?" value="8(\.0)?"|value="8(\.0)?" max="8(\.0)?")>', drawn), drawn[-3000:]
     assert "closed bar:" not in drawn, "a closed tqdm bar (leave=False) is drawn from its last, stale state"
+    # stderr: the known notice left out (and counted in the log), every other line kept
+    assert "a real warning" in drawn and "Triton is not installed" not in drawn
+    assert "01_good.ipynb: left out 1 known stderr line(s)" in result.stderr
     # the progress line counts the notebook's code cells and names the one it runs
     code_cells = sum(not c.startswith("#") for c in GOOD_CELLS)
     assert f"{code_cells}/{code_cells}" in result.stderr and f"code cell {code_cells} of {code_cells} (notebook cell " \

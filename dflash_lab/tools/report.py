@@ -25,6 +25,12 @@ exit status 1. Every file is written to a temporary name and renamed, so no
 half-written report is ever left behind. Each notebook's slowest cell is
 printed, and cells that ran longer than ``--slow-cell`` seconds without
 showing a progress bar are listed as warnings.
+
+Two things JupyterLab would draw differently from what a reader needs are mended: a
+widget the kernel closed (a tqdm bar with ``leave=False``) is not drawn from its last,
+stale state, and stderr lines known to be harmless notices (``KNOWN_STDERR_NOISE``: vLLM
+0.33 and torch on a CPU-only machine) are left out, counted in the log; every other stderr
+line stays, in JupyterLab's red box.
 """
 
 from __future__ import annotations
@@ -48,7 +54,7 @@ from tqdm.auto import tqdm
 
 from ..repro import OFFLINE_ENV, write_ipython_startup
 from ..runtime import atomic_file
-from .report_html import ANSI, GLOSSARY, glossary_page, to_html
+from .report_html import ANSI, GLOSSARY, drop_known_stderr_noise, glossary_page, to_html
 
 # ---------------------------------------------------------------------------
 # Running a notebook
@@ -304,6 +310,10 @@ def build_report(notebooks: list[Path], out: Path, *, timeout: float, slow_cell:
             timings = cell_timings(nb)
             entry.slowest = max(((i, t) for i, t, _ in timings), key=lambda it: it[1], default=())
             entry.slow = [(i, t) for i, t, progress in timings if t > slow_cell and not progress]
+            noise = drop_known_stderr_noise(nb)
+            if noise:
+                print(f"{path.name}: left out {noise} known stderr line(s) (vLLM 0.33 and torch on this machine; "
+                      "report_html.KNOWN_STDERR_NOISE)", file=sys.stderr)
             page = to_html(nb, figures, entry.title)
             write_atomic(target, page)
             entry.ok, entry.size = True, len(page.encode())
