@@ -281,7 +281,7 @@ print("the lab serves the shipped pair with --disable-hybrid-kv-cache-manager:",
       needs_hybrid_manager_disabled(target_path(), drafter_path()))
 
 # %% [markdown]
-# ### The split case, worked: a deeper drafter on the same target
+# ### The split case, worked: the drafter's depth on the same target
 #
 # The layer counts alone decide the cut. Here is the same target with the shipped drafter made
 # 1 to 8 layers deep (`kv_presets.shipped_drafter_config(n)`: only `num_hidden_layers` and the
