@@ -499,6 +499,59 @@ def open_and_run(nb: Notebook, server) -> dict:
     return nb.run_all()
 
 
+# ---------------------------------------------------------------------------
+# What one chapter must show, beyond what every chapter must: run after Run All,
+# before the controls are flipped, and again after them (flipped=True).
+# ---------------------------------------------------------------------------
+
+# Chapter 4's figures in page order, and the explorer's model dropdown.
+JS_CHAPTER_4 = "(path) => {" + PANEL + """
+  const root = panel.content.node;
+  const titles = Array.from(root.querySelectorAll('.jp-OutputArea .js-plotly-plot')).map(
+      gd => (((gd.layout || {}).title || {}).text || '').replace(/<br>/g, ' ').replace(/<[^>]+>/g, '')
+                .replace(/(\\S)- /g, '$1-'));  // a title as read: lines joined, markup and hyphen breaks gone
+  const models = Array.from(root.querySelectorAll('.jp-OutputArea .widget-dropdown')).filter(
+      el => /^\\s*model/.test(el.innerText)).map(el => {
+        const select = el.querySelector('select');
+        const text = (o) => o.text.replace(/\\u00a0/g, ' ');  // ipywidgets writes option spaces as no-break spaces
+        return {options: Array.from(select.options).map(text),
+                selected: select.selectedIndex >= 0 ? text(select.options[select.selectedIndex]) : null};
+      });
+  return {titles, models};
+}"""
+
+
+def check_chapter_4(nb: Notebook, *, flipped: bool = False) -> None:
+    """Chapter 4 opens on the shipped pair: its grouping is the first figure on the page, its title
+    says in how many groups the drafter is (the kernel's count, from vLLM's grouping of the
+    checkpoints), the split case is drawn with vLLM V1's refusal, and the explorer offers the
+    shipped pair (selected before the flips) and the split case as presets."""
+    here = nb.kernel_eval("", "{'groups': len(pair_split), 'drafter': n_drafter, 'split': SPLIT_DEPTH, "
+                              "'refusal': split_refusal, "
+                              "'shipped': kv_presets.PRESETS['shipped_pair']['label'], "
+                              "'split_label': kv_presets.PRESETS['shipped_target_4_layer_drafter']['label']}")
+    page = nb.page.evaluate(JS_CHAPTER_4, nb.path)
+    assert page["titles"], f"{nb.path}: no figure on the page"
+    first = page["titles"][0]
+    groups = f"{here['groups']} group{'s' if here['groups'] > 1 else ''}"
+    assert first.startswith("The shipped pair") and f"the drafter's {here['drafter']} layers in {groups}" in first, (
+        f"{nb.path}: the first figure is not the shipped pair's grouping ({groups}): {first!r}")
+    split = [t for t in page["titles"] if t.startswith(f"The shipped target + a {here['split']}-layer drafter")]
+    assert split and here["refusal"] in split[0], (
+        f"{nb.path}: the split case is not drawn with vLLM's refusal {here['refusal']!r}: {page['titles'][:6]}")
+    assert page["models"], f"{nb.path}: no 'model' dropdown (the KV-group explorer)"
+    for model in page["models"]:
+        assert here["shipped"] in model["options"] and here["split_label"] in model["options"], (
+            f"{nb.path}: the explorer lacks the shipped-pair presets: {model['options']}")
+        if not flipped:
+            assert model["selected"] == here["shipped"], f"{nb.path}: the explorer opens on {model['selected']!r}"
+    print(f"{nb.path}: first figure {first!r}; split case {split[0]!r}; explorer presets "
+          f"{page['models'][0]['options'][:2]}")
+
+
+CHAPTER_CHECKS = {"04_hybrid_kv_groups": check_chapter_4}
+
+
 def test_notebook_runs_renders_and_reacts(notebook, lab_server, lab_page, screenshots):
     page, rel, started = lab_page, f"notebooks/{notebook.name}", time.monotonic()
     for old in screenshots.glob(f"{notebook.stem}.*png"):  # no picture from an earlier run passes for this one
@@ -520,6 +573,9 @@ def test_notebook_runs_renders_and_reacts(notebook, lab_server, lab_page, screen
         nb.screenshot(f"{notebook.stem}.png")
         hidden = layout_problems(nb)  # what is drawn, a reader must be able to read
         assert not hidden, f"{rel}: drawn but not readable:\n  " + "\n  ".join(hidden)
+        chapter_check = CHAPTER_CHECKS.get(notebook.stem)
+        if chapter_check:  # what this chapter must show, beyond what every chapter must
+            chapter_check(nb)
 
         # 3b. a step-through's slider changes the highlighted tokens
         check_step_throughs(nb)
@@ -542,6 +598,8 @@ def test_notebook_runs_renders_and_reacts(notebook, lab_server, lab_page, screen
         problems, _ = wait_rendered(nb)  # what the flips redrew is drawn too
         problems += layout_problems(nb)
         assert not problems, f"{rel}: after flipping the controls:\n  " + "\n  ".join(problems)
+        if chapter_check:  # and still, after the flips
+            chapter_check(nb, flipped=True)
         nb.screenshot(f"{notebook.stem}.flipped.png")
         print(f"{rel}: {len(found['plots'])} figure(s), {len(controls)} control(s); run all "
               f"{nb.timings['run_all']:.0f}s, whole test {time.monotonic() - started:.0f}s")
