@@ -28,24 +28,32 @@ PHASE_STYLE = {
 BATCH_COLORS = (PALETTE["blue"], PALETTE["orange"], PALETTE["green"], PALETTE["purple"], PALETTE["sky"])
 
 
+def _config_tick(method: str, block: int) -> str:
+    """A category label short enough to sit level under its bars: the method's words over the block size."""
+    label = METHOD_LABELS.get(method, method).replace(" (Poolside-style drafter)", "<br>(Poolside-style)")
+    return f"{label}<br>block {block}"
+
+
 def speedup_vs_tau_figure(records, *, cuda_graphs: bool = True, title: str | None = None) -> go.Figure:
-    """Per method and block size, two panels with one unit each: left, tau (tokens per target forward,
-    the ceiling of the speedup); right, the measured tokens/s over plain greedy decoding, one colour per
-    batch size."""
+    """Per method and block size, two panels with one unit each on one shared axis of methods: on top,
+    tau (tokens per target forward, the ceiling of the speedup); below, the measured tokens/s over plain
+    greedy decoding, one colour per batch size."""
     rows = [r for r in records if r["cuda_graphs"] == cuda_graphs]
     if not rows:
         raise ValueError(f"no records with cuda_graphs={cuda_graphs}")
     base = {r["batch"]: r["tokens_per_s"] for r in rows if r["method"] == "target_only"}
+    order = list(METHOD_LABELS)
     configs = sorted({(r["method"], r["block_size"]) for r in rows if r["method"] != "target_only"},
-                     key=lambda k: (k[0] != "dflash", k[1]))
-    xs = [f"{METHOD_LABELS.get(m, m)}, block {b}" for m, b in configs]
+                     key=lambda k: (order.index(k[0]) if k[0] in order else len(order), k[0], k[1]))
+    xs = [_config_tick(m, b) for m, b in configs]
     by = {(r["method"], r["block_size"], r["batch"]): r for r in rows}
     batch1 = [by.get((m, b, min(base))) for m, b in configs]
-    fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.1, subplot_titles=(
-        f"τ: tokens per target forward (batch {min(base)})", "measured speedup over plain greedy decoding"))
+    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.1, subplot_titles=(
+        f"τ: tokens per target forward (batch {min(base)}), the ceiling of the speedup",
+        "measured speedup: tokens/s over plain greedy decoding, per batch size"))
     fig.add_trace(go.Bar(
         x=xs, y=[r["mean_acceptance_length"] if r else None for r in batch1], name=f"τ (batch {min(base)})",
-        marker=dict(color=[method_color(x) for x in xs], line=dict(color="black", width=0.6)),
+        marker=dict(color="#d9d9d9", line=dict(color="black", width=0.8)),
         hovertemplate="%{x}: τ %{y:.2f}<extra></extra>"), 1, 1)
     for i, batch in enumerate(sorted(base)):
         ys = [by[(m, b, batch)]["tokens_per_s"] / base[batch] if (m, b, batch) in by else None for m, b in configs]
@@ -55,16 +63,16 @@ def speedup_vs_tau_figure(records, *, cuda_graphs: bool = True, title: str | Non
             customdata=[[by[(m, b, batch)]["tokens_per_s"], base[batch]] if (m, b, batch) in by else [None, None]
                         for m, b in configs],
             hovertemplate=f"%{{x}}, batch {batch}: %{{y:.2f}}× (%{{customdata[0]:.0f}} vs %{{customdata[1]:.0f}} tok/s)"
-                          "<extra></extra>"), 1, 2)
+                          "<extra></extra>"), 2, 1)
     fig.add_hline(y=1, line=dict(color="black", dash="dash"), row=1, col=1)
-    fig.add_hline(y=1, line=dict(color="black", dash="dash"), row=1, col=2)
-    fig.update_yaxes(title_text="τ (tokens per target forward)", rangemode="tozero", row=1, col=1)
-    fig.update_yaxes(title_text="× plain greedy (tokens/s ratio)", rangemode="tozero", row=1, col=2)
-    fig.update_xaxes(tickangle=-40, automargin=True)
+    fig.add_hline(y=1, line=dict(color="black", dash="dash"), row=2, col=1)
+    fig.update_yaxes(title_text="τ (tokens)", rangemode="tozero", row=1, col=1)
+    fig.update_yaxes(title_text="× plain greedy", rangemode="tozero", row=2, col=1)
+    fig.update_xaxes(tickangle=0, automargin=True)
     fig.update_annotations(font_size=12)
-    fig.update_layout(barmode="group", legend=dict(orientation="h", y=-0.45))
+    fig.update_layout(barmode="group", legend=dict(orientation="h", y=-0.22))
     graphs = "CUDA graphs on" if cuda_graphs else "CUDA graphs off"
-    return titled(fig, title or f"τ and the measured speedup · {rows[0].get('device', '?')}, {graphs}", height=520)
+    return titled(fig, title or f"τ and the measured speedup · {rows[0].get('device', '?')}, {graphs}", height=640)
 
 
 def step_time_figure(phases: dict, *, taus: dict | None = None, title: str | None = None) -> go.Figure:

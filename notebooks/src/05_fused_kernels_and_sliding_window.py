@@ -258,7 +258,7 @@ display(Markdown(
 # %% [markdown]
 # Pick a path and flip the kernel. The line under the controls says what ran **here**,
 # whether it agrees with the reference, and how long it took here (`time_ms`, on the
-# 256-token context of §1). On a CUDA GPU with Triton the checkbox switches the fused
+# context of §1). On a CUDA GPU with Triton the checkbox switches the fused
 # kernel for the folded path and the line gives that path's time with and without it;
 # on a CPU the checkbox is off and disabled, and says that the kernel needs a GPU. The
 # chart highlights what the choice costs at Laguna-XS.2's shapes on the GPU.
