@@ -504,6 +504,63 @@ def open_and_run(nb: Notebook, server) -> dict:
 # before the controls are flipped, and again after them (flipped=True).
 # ---------------------------------------------------------------------------
 
+# Chapter 5's live figure and fused control, as the page holds them.
+JS_CHAPTER_5 = "(path) => {" + PANEL + """
+  const root = panel.content.node;
+  const plots = Array.from(root.querySelectorAll('.jp-OutputArea .js-plotly-plot')).map(gd => {
+    const title = (((gd.layout || {}).title || {}).text || '').replace(/<br>/g, ' ');
+    const notes = ((gd.layout || {}).annotations || []).map(a => (a.text || '').replace(/<br>/g, ' '));
+    const bars = (gd.data || []).filter(t => (t.xaxis || 'x') === 'x' && (t.y || []).some(y => y !== null)).length;
+    let drawn = 0;
+    gd.querySelectorAll('g.trace').forEach(el => { const r = el.getBoundingClientRect(); if (r.width && r.height) drawn++; });
+    return {title, notes, bars, drawn};
+  });
+  const fused = Array.from(root.querySelectorAll('.jp-OutputArea .widget-checkbox'))
+      .filter(el => /fused/i.test(el.innerText))
+      .map(el => ({label: el.innerText.replace(/\s+/g, ' ').trim(),
+                   disabled: !!(el.querySelector('input[type=checkbox]') || {}).disabled,
+                   checked: !!(el.querySelector('input[type=checkbox]') || {}).checked,
+                   box: (el.closest('.widget-vbox') || el.parentElement).innerText.replace(/\s+/g, ' ')}));
+  return {plots, fused};
+}"""
+
+
+def check_chapter_5(nb: Notebook, *, flipped: bool = False) -> None:
+    """Chapter 5 measures on the machine it runs on, and its fused control does not pretend.
+
+    The kernel says which device timed the live run and whether the fused kernel can run
+    there. Then the page must hold the live timing figure (titled with that device, its
+    left panel "measured now" with at least the three paths drawn, its right panel the
+    committed run), and the fused control: on a machine without a CUDA GPU with Triton,
+    an unchecked, disabled checkbox that says it needs one, with a line saying it was not
+    run; where the kernel runs, an enabled checkbox and the folded path's time with the
+    kernel and without (before the flips: a flip may leave another path chosen).
+    """
+    here = nb.kernel_eval("", "{'device': live[0]['device'], 'paths': sorted({r['path'] for r in live}), "
+                              "'runnable': kernels.triton is not None and context.is_cuda}")
+    assert {"reference", "batched", "folded"} <= set(here["paths"]), f"{nb.path}: live timing lacks a path: {here}"
+    page = nb.page.evaluate(JS_CHAPTER_5, nb.path)
+    live = [p for p in page["plots"] if f"measured now on {here['device']}" in p["title"]]
+    assert live, (f"{nb.path}: no figure titled 'measured now on {here['device']}' (the live context-K/V timing); "
+                  f"figures: {[p['title'] for p in page['plots']]}")
+    fig = live[0]
+    assert fig["drawn"] > 0 and fig["bars"] >= 3, f"{nb.path}: the live timing figure draws too little: {fig}"
+    assert any(n.startswith(f"measured now · {here['device']}") for n in fig["notes"]), fig["notes"]
+    assert any(n.startswith("committed run · ") for n in fig["notes"]), fig["notes"]
+    assert page["fused"], f"{nb.path}: no fused-kernel checkbox on the page"
+    for control in page["fused"]:
+        if here["runnable"] and not flipped:
+            assert "with the fused kernel" in control["box"], f"{nb.path}: the fused toggle shows no measured time: {control}"
+        elif not here["runnable"]:
+            assert control["disabled"] and not control["checked"], (
+                f"{nb.path}: the fused kernel cannot run on {here['device']}, but its checkbox is live: {control}")
+            assert "needs a CUDA GPU with Triton" in control["label"], (
+                f"{nb.path}: the fused checkbox does not say it needs a GPU: {control['label']!r}")
+            assert "needs a CUDA GPU with Triton: not run here" in control["box"], control["box"]
+    print(f"{nb.path}: live timing figure on {here['device']} ({fig['bars']} paths drawn); fused control: "
+          f"{[c['label'] + (' (disabled)' if c['disabled'] else '') for c in page['fused']]}")
+
+
 # Chapter 4's figures in page order, and the explorer's model dropdown.
 JS_CHAPTER_4 = "(path) => {" + PANEL + """
   const root = panel.content.node;
@@ -549,7 +606,7 @@ def check_chapter_4(nb: Notebook, *, flipped: bool = False) -> None:
           f"{page['models'][0]['options'][:2]}")
 
 
-CHAPTER_CHECKS = {"04_hybrid_kv_groups": check_chapter_4}
+CHAPTER_CHECKS = {"04_hybrid_kv_groups": check_chapter_4, "05_fused_kernels_and_sliding_window": check_chapter_5}
 
 
 def test_notebook_runs_renders_and_reacts(notebook, lab_server, lab_page, screenshots):
