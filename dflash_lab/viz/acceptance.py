@@ -187,6 +187,12 @@ _WHERE_SYMBOLS = ["circle", "diamond", "square", "triangle-up"]
 _WHERE_PATTERNS = ["", "/", "x", "."]  # bar hatching per machine, in the same order
 
 
+def _label_side(x: float, lo: float, hi: float) -> str:
+    """Where a point's label goes so that it stays inside the x range [lo, hi]: away from the near edge."""
+    at = (x - lo) / (hi - lo)
+    return "top right" if at < 0.25 else "top left" if at > 0.6 else "top center"
+
+
 def tau_vs_speedup_figure(rows, *, title: str | None = None) -> go.Figure:
     """Left: target forwards per generated token; right: τ against the measured speedup.
 
@@ -217,7 +223,7 @@ def tau_vs_speedup_figure(rows, *, title: str | None = None) -> go.Figure:
             x=[r["tau"] if r["tau"] is not None else 1.0 for r in points],
             y=[r["tokens_per_s"] / base[where] for r in points], mode="markers+text", name=f"{where} (speedup)",
             text=[r["label"] for r in points], legendgroup=where, showlegend=False,
-            textposition=["top left" if (r["tau"] or 1.0) > 0.6 * top else "top center" for r in points],  # no cut labels
+            textposition=[_label_side(r["tau"] or 1.0, 0.5, top) for r in points],  # no label cut at an edge
             marker=dict(size=11, symbol=_WHERE_SYMBOLS[wi % len(_WHERE_SYMBOLS)],
                         color=[method_color(r["method"]) for r in points], line=dict(color="black", width=1)),
             customdata=[[r["tokens_per_s"]] for r in points],

@@ -102,10 +102,11 @@ def titled(fig: go.Figure, title: str, *, height: int, width_chars: int = 100, b
     """Left-aligned, wrapped title with room above the plot, under a strip of its own for the mode bar
     (horizontal, at the top right), so that the mode bar covers no title, label or colour bar."""
     text, lines = wrap_title(title, width=width_chars)
-    top = TOOLBAR_PX + 22 * lines + 22
+    pad = TOOLBAR_PX + (12 if lines > 1 else 0)  # plotly sets a title of several lines ~12 px higher than one
+    top = pad + 22 * lines + 22
     fig.update_layout(title=dict(text=text, x=0, xanchor="left", y=1, yref="container", yanchor="top",
-                                 pad=dict(t=TOOLBAR_PX, l=8)),
-                      height=height + TOOLBAR_PX - 14 + 20 * (lines - 1), margin=dict(l=10, r=20, t=top, b=bottom),
+                                 pad=dict(t=pad, l=8)),
+                      height=height + pad - 14 + 20 * (lines - 1), margin=dict(l=10, r=20, t=top, b=bottom),
                       modebar=dict(orientation="h"))
     return fig
 

@@ -13,8 +13,10 @@ For each notebook: open it, Run > Run All Cells, and wait for the kernel. Then
    least one must change a figure's data or layout. A widget callback that
    raises (JupyterLab would only show it in its log console) fails the test;
 5. what is drawn can be read: no plotly table header cell is empty (plotly's
-   Table can leave cells blank on first draw) and no widget label is cut off
-   (text overflow), before and after the flips;
+   Table can leave cells blank on first draw), plotly's toolbar sits on no
+   colour bar, legend or title, no point's text label is cut at its plot's
+   edge, and no widget label is cut off (text overflow), before and after the
+   flips;
 6. a step-through widget (chapters 1 and 3) moves to the next step when its
    slider moves, and the tokens it highlights change.
 
@@ -204,7 +206,8 @@ JS_CONTROLS = "(path) => {" + PANEL + """
 
 
 # What a reader cannot see although it is there: plotly table header cells drawn empty,
-# and widget labels cut off by the width they were given (text overflow).
+# plotly's toolbar over a colour bar, legend or title, and widget labels cut off by the width
+# they were given (text overflow).
 JS_LAYOUT = "(path) => {" + PANEL + """
   const root = panel.content.node;
   const problems = [];
@@ -219,6 +222,42 @@ JS_LAYOUT = "(path) => {" + PANEL + """
       problems.push(`plotly table in ${JSON.stringify(title)}: ${wanted - shown.length} of ${wanted} header cells not drawn`);
     shown.forEach((text, i) => { if (!text)
       problems.push(`plotly table in ${JSON.stringify(title)}: header cell ${i} is empty`); });
+  });
+  // plotly's toolbar (mode bar; drawn on hover, laid out always) must not sit on a colour bar, legend or title
+  root.querySelectorAll('.jp-OutputArea .js-plotly-plot').forEach(gd => {
+    const bar = gd.querySelector('.modebar');
+    if (!bar) return;
+    const b = bar.getBoundingClientRect();
+    if (!b.width || !b.height) return;
+    const title = ((gd.layout || {}).title || {}).text || '';
+    gd.querySelectorAll('g.colorbar, g.legend, .g-gtitle').forEach(el => {
+      const r = el.getBoundingClientRect();
+      if (r.width && r.height && r.left < b.right && b.left < r.right && r.top < b.bottom && b.top < r.bottom)
+        problems.push(`plotly toolbar covers the ${el.getAttribute('class').split(' ').pop()} of ${JSON.stringify(title)}`);
+    });
+  });
+  // a point's text label (mode 'markers+text') cut at its plot's edge (cliponaxis) or at the figure's
+  root.querySelectorAll('.jp-OutputArea .js-plotly-plot').forEach(gd => {
+    const svg = gd.querySelector('.main-svg');
+    if (!svg || !gd._fullLayout) return;
+    const frame = svg.getBoundingClientRect();
+    const title = ((gd.layout || {}).title || {}).text || '';
+    gd.querySelectorAll('.scatterlayer .trace').forEach(tr => {
+      const trace = tr.__data__ && tr.__data__[0] && tr.__data__[0].trace;
+      if (!trace) return;
+      const xa = gd._fullLayout[(trace.xaxis || 'x').replace('x', 'xaxis')];
+      const ya = gd._fullLayout[(trace.yaxis || 'y').replace('y', 'yaxis')];
+      let box = {left: frame.left, right: frame.right, top: frame.top, bottom: frame.bottom};
+      if (trace.cliponaxis !== false && xa && ya)
+        box = {left: frame.left + xa._offset, right: frame.left + xa._offset + xa._length,
+               top: frame.top + ya._offset, bottom: frame.top + ya._offset + ya._length};
+      tr.querySelectorAll('.textpoint text').forEach(el => {
+        const r = el.getBoundingClientRect();
+        if (!r.width || !el.textContent.trim()) return;
+        if (r.left < box.left - 2 || r.right > box.right + 2 || r.top < box.top - 2 || r.bottom > box.bottom + 2)
+          problems.push(`label ${JSON.stringify(el.textContent)} in ${JSON.stringify(title)} is cut at the plot's edge`);
+      });
+    });
   });
   const labels = root.querySelectorAll('.jp-OutputArea .widget-label, .jp-OutputArea .widget-label-basic, '
       + '.jp-OutputArea .widget-checkbox label, .jp-OutputArea .widget-toggle-button, .jp-OutputArea .widget-button');
@@ -697,6 +736,10 @@ BROKEN_CELLS = [
     "boom = widgets.Dropdown(options=['a', 'b'], description='raises')\n"
     "boom.observe(explode, names='value')\n"
     "widgets.VBox([dead, boom, ok])",
+    "go.Figure(go.Heatmap(z=[[1, 2], [3, 4]], colorbar=dict(title=dict(text='a colour bar title', side='right'))),\n"
+    "          layout=dict(title_text='toolbar on the colour bar', modebar_orientation='v')).show()",
+    "go.Figure(go.Scatter(x=[1, 9.9], y=[1, 2], mode='markers+text', text=['kept', 'a label past the edge'],\n"
+    "                     textposition='middle right'), layout=dict(title_text='cut label', xaxis_range=[0, 10])).show()",
 ]
 
 
@@ -727,6 +770,9 @@ def test_the_checks_catch_broken_figures_and_dead_controls(lab_server, lab_page,
     print("layout checks found:\n  " + hidden.replace("\n", "\n  "))
     assert "plotly table in \"blank header\": header cell 0 is empty" in hidden
     assert "widget label \"a label far too long to fit in its box\" is truncated" in hidden
+    assert "plotly toolbar covers the colorbar of \"toolbar on the colour bar\"" in hidden
+    assert "label \"a label past the edge\" in \"cut label\" is cut at the plot's edge" in hidden
+    assert "label \"kept\"" not in hidden
     flips = {}
     for i in range(len(nb.controls())):
         control = nb.controls()[i]
