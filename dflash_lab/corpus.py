@@ -155,12 +155,75 @@ def cut_prompts(files: list[SourceFile], n: int = NUM_PROMPTS, *, seed: int = 0,
     return prompts
 
 
-def save_prompts(prompts: list[dict], path) -> None:
+def cut_docstring_prompts(files: list[SourceFile], n: int = NUM_PROMPTS, *, seed: int = 1, avoid: list[dict] = (),
+                          context_chars: int = 400) -> list[dict]:
+    """``n`` docstring-first prompts from held-out library files: a function's signature and docstring, no body.
+
+    A prompt is up to ``context_chars`` of whole lines before a documented ``def`` (the code above
+    it, from a ``def``/``class``/decorator line on), then the ``def`` line through the docstring's closing quotes, and stops there:
+    the target's continuation is the function body, new code the prompt does not contain (where the
+    held-out set's continuations often repeat their prompt). The text parses on its own when the
+    context does: its last statement is that function, with only the docstring as body. No prompt
+    overlaps the lines of a prompt in ``avoid`` (e.g. the held-out set, cut from the same files);
+    a file gives a second (third) prompt only once every file has given one (two). A method's prompt
+    sits inside its class, so it parses only with the class line in its context.
+    """
+    import ast
+
+    rng = random.Random(seed)
+    taken: dict[str, list[range]] = {}
+    for q in avoid:
+        taken.setdefault(q["source"], []).append(range(q["first_line"], q["first_line"] + q["text"].count("\n") + 1))
+    pool = [f for f in files if f.split == "heldout" and not is_test_path(f.relpath)
+            and not f.relpath.startswith(("encodings/", "pydoc_data/"))]
+    pool.sort(key=lambda f: hashlib.sha256(f"{seed}:{f.relpath}".encode()).hexdigest())
+    candidates = {}
+    for f in pool:
+        try:
+            tree = ast.parse(f.text)
+        except (SyntaxError, ValueError):
+            continue
+        nodes = [node for node in ast.walk(tree)  # documented functions and methods with a real body
+                 if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+                 and len(node.body) > 1 and not node.decorator_list and len(ast.get_docstring(node) or "") >= 40]
+        rng.shuffle(nodes)
+        candidates[f.relpath] = (f.text.splitlines(), nodes)
+    prompts = []
+    for _ in range(3):
+        for relpath, (lines, nodes) in candidates.items():
+            while nodes:
+                node = nodes.pop()
+                first, last = node.lineno - 1, node.body[0].end_lineno  # the def line .. the docstring's last line
+                start = first
+                while start > 0 and sum(len(line) + 1 for line in lines[start - 1:first]) <= context_chars:
+                    start -= 1
+                while start < first and not PROMPT_START.match(lines[start]):
+                    start += 1  # the context starts where code starts, as the held-out prompts do
+                span = range(start + 1, last + 1)  # 1-based lines
+                if any(span.start < r.stop and r.start < span.stop for r in taken.get(relpath, [])):
+                    continue
+                taken.setdefault(relpath, []).append(span)
+                prompts.append({"id": len(prompts), "source": relpath, "first_line": start + 1,
+                                "def_line": first + 1, "text": "\n".join(lines[start:last]).rstrip()})
+                break
+            if len(prompts) == n:
+                return prompts
+    raise ValueError(f"only {len(prompts)} docstring-first prompts could be cut from {len(pool)} held-out files "
+                     f"(wanted {n})")
+
+
+HELDOUT_DESCRIPTION = ("Held-out prompts cut from Python standard-library files whose path hashes to the "
+                       "held-out split (dflash_lab.corpus); neither the target nor the drafter trains on them.")
+DOCSTRING_DESCRIPTION = ("Docstring-first prompts (corpus.cut_docstring_prompts): a function's signature and "
+                         "docstring with the code above it, cut from the same held-out standard-library files as "
+                         "the held-out set without overlapping its prompts; the continuation is the function body.")
+
+
+def save_prompts(prompts: list[dict], path, *, description: str = HELDOUT_DESCRIPTION) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     doc = {
-        "description": "Held-out prompts cut from Python standard-library files whose path hashes to the "
-                       "held-out split (dflash_lab.corpus); neither the target nor the drafter trains on them.",
+        "description": description,
         "python": ".".join(map(str, sys.version_info[:3])),
         "prompts": prompts,
     }

@@ -34,6 +34,7 @@ BENCHMARKS_DIR = REPO_ROOT / "benchmarks"
 DEFAULT_TARGET = CHECKPOINTS_DIR / "laguna-tiny-code"
 DEFAULT_DRAFTER = CHECKPOINTS_DIR / "laguna-tiny-code-dflash"
 HELDOUT_PROMPTS = CHECKPOINTS_DIR / "heldout_prompts.json"
+DOCSTRING_PROMPTS = CHECKPOINTS_DIR / "docstring_prompts.json"  # a second set: the continuation is a function body
 
 TARGET_ENV, DRAFTER_ENV, DEVICE_ENV = "DFLASH_LAB_TARGET", "DFLASH_LAB_DRAFTER", "DFLASH_LAB_DEVICE"
 

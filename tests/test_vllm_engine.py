@@ -149,21 +149,33 @@ def test_vllm_ran_with_the_shim_and_spec_decoding(vllm_runs):
 
 
 @pytest.mark.parametrize("drafter", ["paper", "poolside"])
-def test_the_shipped_drafter_needs_one_kv_group_and_gets_it_with_the_hybrid_manager_off(vllm_runs, drafter):
-    """vLLM's grouping (4 sliding + 2 full target layers, 4 drafter layers, whose KV caches are full attention
-    even where the layer slides) cuts the 6 full layers into two groups of 3 and splits the drafter 2 + 2;
-    with the hybrid manager off all layers share one group."""
+def test_vllm_serves_the_shipped_drafter_with_its_defaults_in_one_kv_group(vllm_runs, drafter):
+    """vLLM's grouping of the shipped pair (4 sliding + 2 full target layers, 3 drafter layers, whose KV caches
+    are full attention even where the layer slides): 5 full layers < 1.5 x 4 sliding, so the group size is 5
+    and every drafter layer lands in the target's full-attention group; the engine ran with the hybrid
+    manager on (vLLM's default), no flag."""
     path = drafter_path() if drafter == "paper" else DRAFTERS[drafter]
-    split = drafter_kv_groups(target_path(), path)
-    assert len(split) == 2 and sorted(map(len, split)) == [2, 2], split
-    assert len(drafter_kv_groups(target_path(), path, hybrid_manager_disabled=True)) == 1
-    assert all(vllm_runs[run_name(d, n)].hybrid_manager_disabled for d, n in GREEDY_CASES if d == drafter)
+    groups = drafter_kv_groups(target_path(), path)
+    assert len(groups) == 1 and len(groups[0]) == json.loads((path / "config.json").read_text())["num_hidden_layers"]
+    assert not any(vllm_runs[run_name(d, n)].hybrid_manager_disabled for d, n in GREEDY_CASES if d == drafter)
 
 
-def test_with_the_hybrid_manager_on_vllm_refuses_the_split_drafter_and_the_lab_says_why(prompts):
+def test_with_the_hybrid_manager_on_vllm_refuses_a_split_drafter_and_the_lab_says_why(prompts, tmp_path):
+    """A 4-layer drafter on the shipped target: 6 full layers >= 1.5 x 4, group size 4, the drafter split
+    2 + 2 over two groups; vLLM refuses it at start-up (weights never matter), the lab names the flag."""
+    from dflash_lab.checkpoint import load_drafter, save_drafter
+    from dflash_lab.config import DFlashDrafterConfig
+    from dflash_lab.drafter import DFlashLagunaDrafter
+
+    shipped = load_drafter(drafter_path()).config
+    split_cfg = DFlashDrafterConfig(**{**{k: getattr(shipped, k) for k in shipped.__dataclass_fields__ if k != "source"},
+                                       "num_hidden_layers": 4, "layer_types": shipped.layer_types[:1] * 4})
+    save_drafter(DFlashLagunaDrafter(split_cfg), tmp_path / "split", dtype=torch.bfloat16)
+    assert sorted(map(len, drafter_kv_groups(target_path(), tmp_path / "split"))) == [2, 2]
+    assert len(drafter_kv_groups(target_path(), tmp_path / "split", hybrid_manager_disabled=True)) == 1
     with pytest.raises(VLLMEngineError, match="same kv cache group") as failure:
-        run_offline(prompts["greedy"][:1], EngineRun("split", num_speculative_tokens=7), max_new_tokens=4,
-                    disable_hybrid_kv_cache_manager=False, progress=False, timeout_s=300)
+        run_offline(prompts["greedy"][:1], EngineRun("split", num_speculative_tokens=7, drafter=tmp_path / "split"),
+                    max_new_tokens=4, disable_hybrid_kv_cache_manager=False, progress=False, timeout_s=300)
     assert "--disable-hybrid-kv-cache-manager" in str(failure.value)  # the lab's hint
 
 

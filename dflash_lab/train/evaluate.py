@@ -13,7 +13,7 @@ arithmetic-order ties).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -75,6 +75,11 @@ class AcceptanceEval:
     num_prompts: int
     stats: SpecDecodeStats
     every_anchor_rate: list[float]
+    per_prompt: list[SpecDecodeStats] = field(default_factory=list)  # the same counters, prompt by prompt
+
+    def per_prompt_counts(self) -> list[list[int]]:
+        """[drafts, accepted tokens] of each prompt: what a bootstrap over prompts resamples."""
+        return [[s.num_drafts, s.num_accepted_tokens] for s in self.per_prompt]
 
     @property
     def every_anchor_mean_acceptance_length(self) -> float:
@@ -90,7 +95,8 @@ class AcceptanceEval:
                 "mean_acceptance_length": s.to_dict()["mean_acceptance_length"],
                 "per_position_acceptance_rate": s.per_position_acceptance_rate,
                 "every_anchor_rate": self.every_anchor_rate,
-                "every_anchor_mean_acceptance_length": self.every_anchor_mean_acceptance_length}
+                "every_anchor_mean_acceptance_length": self.every_anchor_mean_acceptance_length,
+                "per_prompt_drafts_accepted": self.per_prompt_counts()}
 
 
 def evaluate_acceptance(target, drafter, tokenizer, prompts: list[dict], *, block_sizes=(16,),
@@ -98,7 +104,7 @@ def evaluate_acceptance(target, drafter, tokenizer, prompts: list[dict], *, bloc
     """Acceptance of greedy DFlash decoding on held-out prompts, one ``AcceptanceEval`` per block size."""
     device = next(target.parameters()).device
     longest = max(block_sizes)
-    stats = {bs: SpecDecodeStats(num_accepted_tokens_per_pos=[0] * (bs - 1)) for bs in block_sizes}
+    per_prompt = {bs: [] for bs in block_sizes}
     every_anchor = {bs: torch.zeros(bs - 1, dtype=torch.float64) for bs in block_sizes}
     for pr in tqdm(prompts, desc="acceptance") if show_progress else prompts:
         ids = torch.tensor([tokenizer.encode(pr["text"], add_special_tokens=False)], device=device)
@@ -107,13 +113,14 @@ def evaluate_acceptance(target, drafter, tokenizer, prompts: list[dict], *, bloc
         for bs in block_sizes:
             k = bs - 1
             drafts = drafts_at_every_anchor(target, drafter, g, P, max_new_tokens, bs)  # (max_new_tokens, k)
-            replay_greedy_decoding(g, drafts, P, max_new_tokens, stats[bs])
+            per_prompt[bs].append(replay_greedy_decoding(
+                g, drafts, P, max_new_tokens, SpecDecodeStats(num_accepted_tokens_per_pos=[0] * k)))
             argmax = torch.stack([g[P + a + 1: P + a + 2 + k] for a in range(max_new_tokens)])  # the target after each anchor
             n, _ = greedy_accept_batch(drafts, argmax)  # every anchor's draft, verified as the decoder would
             every_anchor[bs] += (torch.arange(k, device=n.device) < n[:, None]).sum(0).double().cpu()
-    return {bs: AcceptanceEval(bs, max_new_tokens, len(prompts), s,
-                               (every_anchor[bs] / (max_new_tokens * len(prompts))).tolist())
-            for bs, s in stats.items()}
+    return {bs: AcceptanceEval(bs, max_new_tokens, len(prompts), sum(runs, SpecDecodeStats(num_accepted_tokens_per_pos=[0] * (bs - 1))),
+                               (every_anchor[bs] / (max_new_tokens * len(prompts))).tolist(), runs)
+            for bs, runs in per_prompt.items()}
 
 
 class AcceptanceProbe:

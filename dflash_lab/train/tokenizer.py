@@ -58,6 +58,9 @@ def run_tokenizer(args) -> None:
     files = corpus.gather(args.corpus)
     prompts = corpus.cut_prompts(files, n=args.num_prompts, seed=args.seed)
     corpus.save_prompts(prompts, args.prompts)
+    docstring_first = corpus.cut_docstring_prompts(files, n=args.num_prompts, avoid=prompts)  # the second set
+    corpus.save_prompts(docstring_first, Path(args.prompts).with_name("docstring_prompts.json"),
+                        description=corpus.DOCSTRING_DESCRIPTION)
     train_files = corpus.drop_files_containing(corpus.by_split(files)["train"], prompts)
     tok = train_tokenizer((f.text for f in train_files), args.vocab_size)
     out = Path(args.out)

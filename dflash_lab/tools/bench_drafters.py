@@ -1,0 +1,73 @@
+"""Benchmark: the two shipped drafters compared, on two prompt sets, with bootstrap intervals.
+
+    python -m dflash_lab.tools.bench drafters [--quick] [--update-logs]
+
+The paper's drafter (full attention, non-causal) and the Poolside-style one (sliding window 64,
+causal) on the held-out prompts and on the docstring-first prompts (``corpus.cut_docstring_prompts``:
+the continuation is a function body, not a repeat of the prompt), blocks 4/8/16, greedy, with prompt
+lookup at block 16 beside them (``measure.drafters``). Writes benchmarks/drafters.{json,md};
+``--update-logs`` also writes the held-out numbers into each drafter's training log (``final``), as
+``python -m dflash_lab.train evaluate --update-log`` does.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import torch
+
+from ..assets import DRAFTERS, heldout_prompts, load_default_pair
+from ..measure.drafters import compare_drafters, markdown
+from ..runtime import BENCHMARKS_DIR, DOCSTRING_PROMPTS, device_name, resolve_device
+from ..train.common import LOG_NAME, write_log
+from .bench_common import write_results
+
+
+def drafters(args) -> int:
+    """The `drafters` subcommand."""
+    device = resolve_device(args.device, caller="bench drafters")
+    torch.set_num_threads(args.threads) if args.threads else None
+    n = args.prompts or (8 if args.quick else None)
+    blocks = args.block_sizes or ([16] if args.quick else [4, 8, 16])
+    target, paper, tokenizer = load_default_pair(device=device, drafter="paper")
+    poolside = load_default_pair(device=device, drafter="poolside")[1]
+    sets = {"held-out": heldout_prompts()[:n], "docstring-first": heldout_prompts(DOCSTRING_PROMPTS)[:n]}
+    start = time.perf_counter()
+    result = compare_drafters(target, {"paper": paper, "poolside": poolside}, tokenizer, sets, block_sizes=blocks,
+                              max_new_tokens=args.max_new_tokens, progress=lambda s: print(s, flush=True))
+    result.update(device=device_name(device), dtype=str(next(target.parameters()).dtype).replace("torch.", ""),
+                  seconds=round(time.perf_counter() - start, 1),
+                  command="python -m dflash_lab.tools.bench drafters" + (" --quick" if args.quick else ""))
+    md = ("# The shipped drafters compared\n\n"
+          f"{result['device']}, {result['dtype']}, `evaluate_acceptance` (the decoder's exact counters). "
+          "paper = `laguna-tiny-code-dflash` (full attention, non-causal); poolside = "
+          "`laguna-tiny-code-dflash-poolside` (sliding window 64, causal).\n\n" + markdown(result)
+          + f"\nCommand: `{result['command']}` ({result['seconds']:.0f} s)\n")
+    paths = write_results(args.out, "drafters_quick" if args.quick else "drafters", result, md)
+    print(md)
+    print("wrote", *paths)
+    if args.update_logs and not args.quick:
+        for name, directory in (("paper", DRAFTERS["paper"]), ("poolside", DRAFTERS["poolside"])):
+            path = directory / LOG_NAME
+            log = json.loads(path.read_text())
+            log.setdefault("final", {})
+            log["final"].update({f"block_{bs}": r["record"]
+                                 for bs, r in result["sets"]["held-out"]["drafters"][name].items()},
+                                eval_device=str(device))
+            write_log(path, log)
+            print("updated", path)
+    return 0
+
+
+def add_command(subparsers) -> None:
+    p = subparsers.add_parser("drafters", help="the two shipped drafters on two prompt sets, with intervals")
+    p.add_argument("--quick", action="store_true", help="block 16 on 8 prompts of each set")
+    p.add_argument("--block-sizes", type=int, nargs="+", help="default 4 8 16")
+    p.add_argument("--prompts", type=int, help="first N prompts of each set (default all 48)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--threads", type=int, default=1, help="torch threads (small matmuls: 1 is fastest)")
+    p.add_argument("--update-logs", action="store_true", help="write the held-out numbers into the training logs")
+    p.add_argument("--device", help="default: $DFLASH_LAB_DEVICE, else cuda when present")
+    p.add_argument("--out", default=str(BENCHMARKS_DIR), help="output folder (default benchmarks/)")
+    p.set_defaults(func=drafters)
