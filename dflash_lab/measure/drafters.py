@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..drafter import with_window
 from ..spec_decode import generate_on_prompts
 from ..train.evaluate import evaluate_acceptance
 
@@ -102,6 +103,44 @@ def compare_drafters(target, drafters: dict, tokenizer, prompt_sets: dict, *, bl
                                                                  "per_prompt_drafts_accepted": counts}}
         result["sets"][set_name] = entry
     return result
+
+
+def window_study(target, drafters: dict, tokenizer, prompts, *, cut_tokens: int = 64, block_size: int = 16,
+                 max_new_tokens: int = 64, progress=print) -> dict:
+    """Where a sliding drafter loses on long prompts: every drafter on the full prompts and on their last
+    ``cut_tokens`` tokens, and each sliding drafter again on the full prompts with its window removed.
+
+    Cutting a prompt changes the target's continuation too (it sees less), so the cut rows are a
+    different task; the widened row keeps the task and changes only what the drafter may attend to.
+    """
+    full = [{"input_ids": tokenizer.encode(p["text"], add_special_tokens=False)} for p in prompts]
+    cut = [{"input_ids": p["input_ids"][-cut_tokens:]} for p in full]
+    lengths = [len(p["input_ids"]) for p in full]
+    index = bootstrap_index(len(prompts))
+    runs = {}
+    for name, drafter in drafters.items():
+        variants = {"full prompts": (drafter, full), f"last {cut_tokens} tokens": (drafter, cut)}
+        if drafter.window is not None:
+            variants[f"full prompts, window {drafter.window} removed"] = (with_window(drafter, None), full)
+        for label, (d, ps) in variants.items():
+            progress(f"window study: {name}, {label}")
+            ev = evaluate_acceptance(target, d, tokenizer, ps, block_sizes=(block_size,),
+                                     max_new_tokens=max_new_tokens)[block_size]
+            runs[f"{name}: {label}"] = {**bootstrap_tau(ev.per_prompt_counts(), index=index),
+                                        "per_prompt_drafts_accepted": ev.per_prompt_counts()}
+    return {"block_size": block_size, "max_new_tokens": max_new_tokens, "cut_tokens": cut_tokens,
+            "num_prompts": len(prompts), "prompt_tokens": {"min": min(lengths), "max": max(lengths),
+                                                            "mean": sum(lengths) / len(lengths)},
+            "runs": runs}
+
+
+def window_markdown(study: dict) -> str:
+    t = study["prompt_tokens"]
+    lines = [f"### Long prompts and the window (block {study['block_size']}, {study['num_prompts']} held-out prompts of "
+             f"{t['min']}-{t['max']} tokens, {study['max_new_tokens']} new tokens)", "",
+             "| drafter: prompts | τ | 95 % interval |", "|---|---|---|"]
+    lines += [f"| {name} | {r['tau']:.2f} | [{r['low']:.2f}, {r['high']:.2f}] |" for name, r in study["runs"].items()]
+    return "\n".join(lines) + "\n"
 
 
 def markdown(result: dict) -> str:

@@ -18,7 +18,7 @@ import time
 import torch
 
 from ..assets import DRAFTERS, heldout_prompts, load_default_pair
-from ..measure.drafters import compare_drafters, markdown
+from ..measure.drafters import compare_drafters, markdown, window_markdown, window_study
 from ..runtime import BENCHMARKS_DIR, DOCSTRING_PROMPTS, device_name, resolve_device
 from ..train.common import LOG_NAME, write_log
 from .bench_common import write_results
@@ -34,6 +34,15 @@ def drafters(args) -> int:
     poolside = load_default_pair(device=device, drafter="poolside")[1]
     sets = {"held-out": heldout_prompts()[:n], "docstring-first": heldout_prompts(DOCSTRING_PROMPTS)[:n]}
     start = time.perf_counter()
+    if args.window_study:
+        study = window_study(target, {"paper": paper, "poolside": poolside}, tokenizer, sets["held-out"],
+                             max_new_tokens=args.max_new_tokens, progress=lambda s: print(s, flush=True))
+        study.update(device=device_name(device), seconds=round(time.perf_counter() - start, 1),
+                     command="python -m dflash_lab.tools.bench drafters --window-study")
+        md = window_markdown(study) + f"\nCommand: `{study['command']}` ({study['seconds']:.0f} s)\n"
+        print(md)
+        print("wrote", *write_results(args.out, "drafter_window", study, md))
+        return 0
     result = compare_drafters(target, {"paper": paper, "poolside": poolside}, tokenizer, sets, block_sizes=blocks,
                               max_new_tokens=args.max_new_tokens, progress=lambda s: print(s, flush=True))
     result.update(device=device_name(device), dtype=str(next(target.parameters()).dtype).replace("torch.", ""),
@@ -67,6 +76,8 @@ def add_command(subparsers) -> None:
     p.add_argument("--prompts", type=int, help="first N prompts of each set (default all 48)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=1, help="torch threads (small matmuls: 1 is fastest)")
+    p.add_argument("--window-study", action="store_true",
+                   help="only the long-prompt study: full vs cut prompts, the sliding drafter's window removed")
     p.add_argument("--update-logs", action="store_true", help="write the held-out numbers into the training logs")
     p.add_argument("--device", help="default: $DFLASH_LAB_DEVICE, else cuda when present")
     p.add_argument("--out", default=str(BENCHMARKS_DIR), help="output folder (default benchmarks/)")

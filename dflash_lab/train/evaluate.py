@@ -101,13 +101,17 @@ class AcceptanceEval:
 
 def evaluate_acceptance(target, drafter, tokenizer, prompts: list[dict], *, block_sizes=(16,),
                         max_new_tokens: int = 64, show_progress: bool = False) -> dict[int, AcceptanceEval]:
-    """Acceptance of greedy DFlash decoding on held-out prompts, one ``AcceptanceEval`` per block size."""
+    """Acceptance of greedy DFlash decoding on held-out prompts, one ``AcceptanceEval`` per block size.
+
+    A prompt is a dict with ``text`` (tokenized here) or ``input_ids`` (used as given).
+    """
     device = next(target.parameters()).device
     longest = max(block_sizes)
     per_prompt = {bs: [] for bs in block_sizes}
     every_anchor = {bs: torch.zeros(bs - 1, dtype=torch.float64) for bs in block_sizes}
     for pr in tqdm(prompts, desc="acceptance") if show_progress else prompts:
-        ids = torch.tensor([tokenizer.encode(pr["text"], add_special_tokens=False)], device=device)
+        ids = pr.get("input_ids") or tokenizer.encode(pr["text"], add_special_tokens=False)  # ids: e.g. a cut prompt
+        ids = torch.tensor([ids], device=device)
         P = ids.shape[1]
         g = greedy_generate(target, ids, max_new_tokens + longest)[0]
         for bs in block_sizes:
