@@ -74,3 +74,29 @@ def heldout_prompts(path=None) -> list[dict]:
     from .corpus import load_prompts
 
     return load_prompts(path or HELDOUT_PROMPTS)
+
+
+def pair_fingerprint() -> dict:
+    """Which shipped pair a record was measured on: the first 12 hex digits of each checkpoint's weights'
+    SHA-256, and each drafter's depth. Benchmarks store it; chapters compare it with the checkpoints here."""
+    import hashlib
+    import json
+
+    def digest(directory) -> str:
+        h = hashlib.sha256()
+        with open(directory / "model.safetensors", "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+        return h.hexdigest()[:12]
+
+    out = {"target": digest(target_path())}
+    for name, directory in DRAFTERS.items():
+        layers = json.loads((directory / "config.json").read_text())["num_hidden_layers"]
+        out[name] = {"weights": digest(directory), "num_hidden_layers": layers}
+    return out
+
+
+def measured_on_this_pair(record: dict) -> bool:
+    """True when ``record["pair"]`` (a benchmark's ``pair_fingerprint()``) is the pair in checkpoints/."""
+    return record.get("pair") == pair_fingerprint()
+

@@ -39,3 +39,19 @@ def test_greedy_dflash_on_heldout_prompts_accepts_long_drafts(pair):
     assert stats.mean_acceptance_length >= MIN_MEAN_ACCEPTANCE_LENGTH
     # Acceptance can only fall along the block: position i needs every position before it.
     assert all(a >= b for a, b in zip(stats.per_position_acceptance_rate, stats.per_position_acceptance_rate[1:]))
+
+
+def test_a_benchmark_record_knows_which_pair_it_was_measured_on():
+    import json
+
+    from dflash_lab.assets import measured_on_this_pair, pair_fingerprint
+    from dflash_lab.runtime import BENCHMARKS_DIR
+
+    here = pair_fingerprint()
+    assert set(here) == {"target", "paper", "poolside"} and here["paper"]["weights"] != here["poolside"]["weights"]
+    assert measured_on_this_pair({"pair": here}) and not measured_on_this_pair({})
+    for stem in ("spec_decode", "verification_methods", "verification_fly_b16"):  # every H200 record names its pair
+        record = json.loads((BENCHMARKS_DIR / f"{stem}.json").read_text())
+        assert set(record["pair"]) == set(here), stem
+        if not measured_on_this_pair(record):  # then its markdown must say so
+            assert "Measured on the previous shipped drafters" in (BENCHMARKS_DIR / f"{stem}.md").read_text(), stem

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from ..assets import heldout_prompts, load_default_pair
+from ..assets import heldout_prompts, load_default_pair, pair_fingerprint
 from ..runtime import BENCHMARKS_DIR, device_name, resolve_device, synchronized_time
 from ..spec_decode import SpecDecodeStats, speculative_generate
 from .bench_common import write_results
@@ -209,12 +209,13 @@ def spec_decode(args) -> int:
     log = lambda s: print(s, flush=True)  # noqa: E731
     stem = "spec_decode_quick" if args.quick else "spec_decode"
     out = Path(args.out)
-    result = {"n_prompts": n_prompts, "max_new_tokens": max_new, "records": [],
+    result = {"n_prompts": n_prompts, "max_new_tokens": max_new, "records": [], "pair": pair_fingerprint(),
               "command": "python -m dflash_lab.tools.bench spec-decode" + (" --quick" if args.quick else "")}
     last = _previous(out, stem)
     previous = last.get("shipped_pair") or []  # eager-loop rows (the key chapter 3 reads)
     previous_projection = last.get("projection_eager") or (last.get("projection") if "shipped_pair" in last else None)
-    kept = [r for r in last.get("records", []) if r["cuda_graphs"] not in graphs]  # the setting not re-measured
+    kept = [r for r in last.get("records", []) if r["cuda_graphs"] not in graphs  # the setting not re-measured...
+            and last.get("pair") == result["pair"]]  # ...on the same pair only
 
     def save():  # after every section: a timeout keeps what was measured
         return write_results(out, stem, result, spec_decode_markdown(result))
