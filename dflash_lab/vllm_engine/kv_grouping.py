@@ -17,10 +17,13 @@ GPU (``scripts/vllm_defects/repro_v2_laguna_split_groups.py`` shows it with V2's
 the CPU).
 
 With a hybrid target (sliding + full layers) vLLM's grouping cuts each attention type
-into groups of equal size, and the layer counts alone decide where the cut falls: the
-shipped 6-layer target (4 sliding, 2 full) with a 4-layer full-attention drafter has 6
-full-attention layers, which vLLM cuts into two groups of 3 (one target layer and two
-drafter layers each). Chapter 4 draws these groups.
+into groups of equal size, and the layer counts alone decide where the cut falls
+(``kv_cache_planning.py:521-555``: the smallest type's count, or the largest's when it is
+below 1.5x the smallest; each type dealt round-robin into its groups). A drafter's cache is
+full attention, so with the shipped 6-layer target (4 sliding, 2 full) the shipped 3-layer
+drafter makes 5 full layers: 5 < 6, groups of 5, the drafter in one group with the target's
+two full layers. A 4-layer drafter would make 6: groups of 4, the full layers dealt into two
+groups of 3 (one target layer and two drafter layers each). Chapter 4 draws both.
 
 With ``--disable-hybrid-kv-cache-manager`` vLLM turns every sliding-window
 spec into a full-attention one and puts all layers in one group; the sliding

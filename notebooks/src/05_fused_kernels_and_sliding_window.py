@@ -66,7 +66,7 @@ from tqdm.auto import tqdm
 
 from dflash_lab import viz
 from dflash_lab.spec_decode.fast import context_kv_kernel as kernels
-from dflash_lab.assets import default_device, heldout_prompts, load_default_pair
+from dflash_lab.assets import default_device, heldout_prompts, load_default_pair, measured_on_this_pair, pair_fingerprint
 from dflash_lab.context_kv import context_kv_agreement
 from dflash_lab.drafter import dflash_attention_mask, with_window
 from dflash_lab.repro import rounded
@@ -300,6 +300,10 @@ if device.type == "cuda":  # a quick live run: batch 1, block 16, 8 prompts x 64
                                                             progress=lambda s: None)
     phases = bench_fast_decode.phase_breakdown(target, {"paper": drafter}, live_prompts, block_size=16, max_new_tokens=64)
 print("speed from:", speed_records[0]["device"], "(live)" if device.type == "cuda" else "(committed run)")
+if device.type != "cuda" and not measured_on_this_pair(speed):  # a committed run of another shipped pair
+    print(f"note: the committed run timed an earlier shipped pair ({speed['pair']['paper']['num_hidden_layers']}-layer "
+          f"drafters), not the checkpoints here ({pair_fingerprint()['paper']['num_hidden_layers']}-layer): its tau and "
+          "speed-ups are that pair's")
 
 # %%
 base = {(r["batch"], r["cuda_graphs"]): r["tokens_per_s"] for r in speed_records if r["method"] == "target_only"}
