@@ -22,7 +22,7 @@ import sys
 
 import torch
 
-from dflash_lab.assets import DRAFTERS, heldout_prompts, load_default_pair
+from dflash_lab.assets import DRAFTERS, heldout_prompts, load_default_pair, pair_fingerprint
 from dflash_lab.runtime import BENCHMARKS_DIR, REPO_ROOT, write_json
 from dflash_lab.spec_decode import generate_on_prompts
 from dflash_lab.vllm_engine import EngineRun, run_offline
@@ -69,7 +69,7 @@ def main() -> int:
     meta = {"what": __doc__.splitlines()[0], "date": f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d}",
             "vllm": first.vllm_version, "prompts": NUM_PROMPTS, "prompt_tokens": PROMPT_TOKENS,
             "new_tokens": NEW_TOKENS, "dtype": "float32", "device": "cpu",
-            "shim": first.shim}
+            "shim": first.shim, "pair": pair_fingerprint()}
     write_json(BENCHMARKS_DIR / "vllm_engine.json", {"meta": meta, "records": records})
     lines = [f"# The lab against vLLM {meta['vllm']}'s engine (CPU, float32, greedy)", "",
              f"{NUM_PROMPTS} held-out prompts x {NEW_TOKENS} new tokens; written by scripts/compare_lab_with_vllm.py "
