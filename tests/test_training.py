@@ -415,6 +415,47 @@ def test_the_training_explorer_trains_and_moves_its_figure():
     assert list(again.figure.data[1].x) == [0, 10, 20] and "the earlier run" in again.summary.value
 
 
+def test_a_fresh_reader_keeps_the_layers_and_training_only_the_reader_moves_only_the_reader():
+    from dflash_lab.train.live import READER, train_live, with_fresh_reader
+
+    target = micro_target()
+    cfg, dcfg = micro_drafter_config(target, steps=4, log_every=2, cache_target_features=True, train_only=READER)
+    torch.manual_seed(1)
+    source = DFlashLagunaDrafter(replace(dcfg, block_size=8)).eval()
+    before = {k: v.clone() for k, v in source.state_dict().items()}
+    warm = with_fresh_reader(source, block_size=4, seed=3)
+    assert warm.config.block_size == 4 and source.config.block_size == 8
+    for k, v in warm.state_dict().items():
+        same = torch.equal(v, before[k])
+        if k.startswith(READER):
+            assert same == (v.dim() < 2), k  # norms start at one in both; fc is new random numbers
+        else:
+            assert same, k  # decoder layers and the final norm are the source's
+    gen = torch.Generator().manual_seed(0)
+    seqs = train.greedy_generate(target, torch.randint(4, VOCAB, (8, 12), generator=gen), 16)
+    probe = train.AcceptanceProbe(target, [torch.randint(4, VOCAB, (10,), generator=gen).tolist()], max_new_tokens=8,
+                                  max_block_size=4)
+    run = train_live(target, {12: seqs.numpy().astype(np.uint16)}, cfg, probe, eval_every=2, show_progress=False,
+                     init=warm)
+    assert all(torch.equal(v, warm.state_dict()[k]) for k, v in run.initial.state_dict().items())  # untrained copy
+    for k, v in run.drafter.state_dict().items():  # train_only: the reader moved, nothing else did
+        assert torch.equal(v, warm.state_dict()[k]) != k.startswith(READER), k
+    assert all(torch.equal(v, before[k]) for k, v in source.state_dict().items())  # the source is untouched
+    assert "fresh reader" in run.log["initialised_from"]
+    assert run.log["trained_parameters"] == sum(p.numel() for n, p in warm.named_parameters() if n.startswith(READER))
+    with pytest.raises(ValueError, match="name no parameter"):
+        train.drafter_training.trainable_parameters(warm, ("decoder",))
+
+
+def test_the_tau_axis_starts_near_the_data():
+    from dflash_lab.viz.training_live import tau_axis_range
+
+    assert tau_axis_range([1.0, 1.21]) == [1.0, 1.5]  # never below 1, the least a step yields
+    assert tau_axis_range([1.03, 1.78]) == [1.0, 1.9]
+    assert tau_axis_range([2.4, 3.1]) == [2.3, 3.2]  # a run that starts high starts its axis there
+    assert tau_axis_range([]) == [1.0, 1.5]
+
+
 # --- the larger corpus: installed packages, licences, held-out split by path ----------------
 
 

@@ -60,6 +60,7 @@ class DrafterTrainConfig:
     gamma: float = 7.0  # position-weight decay (the DFlash paper's value for block 16)
     short_block_share: float = 0.0  # share of blocks cut to a random length 2..bs-1, so smaller blocks work too
     cache_target_features: bool = False  # run the frozen target once per sequence, not per step (small data only)
+    train_only: tuple = ()  # name prefixes of the only parameters to train (e.g. ("fc",)); () trains every one
     log_every: int = 20
     seed: int = 0
 
@@ -139,6 +140,20 @@ def reshape_drafter(drafter: DFlashLagunaDrafter, *, num_layers: int | None = No
     return new
 
 
+def trainable_parameters(drafter, train_only=()) -> list:
+    """The parameters training moves: those named with a prefix in ``train_only`` (all if it is empty).
+    The others are frozen (``requires_grad`` off): gradients still flow through them to the trained ones."""
+    prefixes = tuple(train_only)
+    named = list(drafter.named_parameters())
+    unknown = [p for p in prefixes if not any(n.startswith(p) for n, _ in named)]
+    if unknown:
+        raise ValueError(f"`train_only` prefixes {unknown} name no parameter of the drafter")
+    trained = [p for n, p in named if not prefixes or n.startswith(prefixes)]
+    for n, p in named:
+        p.requires_grad_(not prefixes or n.startswith(prefixes))
+    return trained
+
+
 def train_drafter(target, data: dict, cfg: DrafterTrainConfig, continuation: int, *, time_budget: float | None = None,
                   init=None, callback=None, show_progress: bool = True):
     """Train a DFlashLagunaDrafter on self-distilled sequences; return (drafter, log).
@@ -179,14 +194,16 @@ def _train_drafter(target, data, cfg, continuation, clock, device, init, callbac
     sizes = torch.tensor([g[1].shape[0] for g in groups], dtype=torch.float)
     bs, autocast = cfg.block_size, device.type == "cuda"
     weights = position_weights(bs, cfg.gamma, device)
-    decay = [p for p in drafter.parameters() if p.dim() >= 2]
-    no_decay = [p for p in drafter.parameters() if p.dim() < 2]
+    trained = trainable_parameters(drafter, cfg.train_only)
+    decay = [p for p in trained if p.dim() >= 2]
+    no_decay = [p for p in trained if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr, betas=(0.9, 0.95),
                             fused=device.type == "cuda")
     log = {"stage": "drafter", "config": asdict(cfg), "drafter_config": dcfg.to_dict(), **run_info(device),
            "initialised_from": getattr(init, "source", None) if init is not None else None,
            "num_parameters": sum(p.numel() for p in drafter.parameters()),
+           "trained_parameters": sum(p.numel() for p in trained),
            "train_sequences": int(sizes.sum()), "loss_curve": [], "accuracy_curve": [], "eval_curve": []}
     total = cfg.steps
     bar = progress(total, "drafter", disable=not show_progress)

@@ -15,7 +15,8 @@ acceptance history, which ``dflash_lab.viz.training_live`` draws while it grows.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import copy
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -42,11 +43,41 @@ def prefix_streams(tokenizer, *, split: str = "distill", max_files: int | None =
 
 
 def distill_small(target, tokenizer, *, num_sequences: int, prefix_lengths=(64,), continuation: int = 48,
-                  gen_batch: int = 256, seed: int = 1, max_files: int | None = 200):
-    """Fresh self-distillation data for a notebook run: ({P: (n, P + continuation)}, stats)."""
+                  gen_batch: int | None = None, seed: int = 1, max_files: int | None = 200):
+    """Fresh self-distillation data for a notebook run: ({P: (n, P + continuation)}, stats).
+
+    Prefixes are continued ``gen_batch`` at a time (default ``num_sequences``) until at least
+    ``num_sequences`` continuations are kept; degenerate ones (``distill.is_degenerate``) are
+    dropped and counted in ``stats["dropped_degenerate"]``. A ``gen_batch`` a little above
+    ``num_sequences`` makes one batch enough.
+    """
     cfg = DistillConfig(prefix_lengths=tuple(prefix_lengths), continuation=continuation, num_sequences=num_sequences,
-                        gen_batch=min(gen_batch, num_sequences), distill_share=1.0, seed=seed)
+                        gen_batch=gen_batch or num_sequences, distill_share=1.0, seed=seed)
     return build_distill_data(target, tokenizer, prefix_streams(tokenizer, max_files=max_files), cfg, show_progress=False)
+
+
+# The drafter's reader of the target: ``combine_hidden_states`` (a norm per target layer, ``fc``, a norm).
+READER = ("aux_hidden_norms", "fc", "hidden_norm")
+
+
+def with_fresh_reader(drafter: DFlashLagunaDrafter, *, block_size: int | None = None, seed: int = 0):
+    """A copy of ``drafter`` whose reader of the target (``READER``) starts from random numbers.
+
+    Everything else (the decoder layers and the final norm) is copied, so the copy still knows
+    how to draft code, but reads the target's features through a random ``fc``: training it
+    teaches it to read its target. ``block_size``: the copy's (default the drafter's own).
+    The initialisation is a fresh drafter's (``reset_parameters``), seeded with ``seed``.
+    """
+    cfg = replace(drafter.config, block_size=block_size or drafter.config.block_size)
+    torch.manual_seed(seed)
+    fresh = DFlashLagunaDrafter(cfg)
+    kept = {k: v for k, v in drafter.state_dict().items() if not k.startswith(READER)}
+    missing, unexpected = fresh.load_state_dict(kept, strict=False)
+    assert not unexpected and all(k.startswith(READER) for k in missing), (missing, unexpected)
+    fresh = fresh.to(device=next(drafter.parameters()).device, dtype=torch.float32)
+    fresh.window = drafter.window
+    fresh.source = f"{getattr(drafter, 'source', 'a drafter')} with a fresh reader ({', '.join(READER)})"
+    return fresh.eval()
 
 
 @dataclass
@@ -81,18 +112,24 @@ def drafter_train_config(target_config, *, steps: int, block_size: int = 16, num
 
 
 def train_live(target, data: dict, cfg: DrafterTrainConfig, probe: AcceptanceProbe, *, eval_every: int,
-               on_update=None, show_progress: bool = True) -> LiveRun:
+               on_update=None, show_progress: bool = True, init=None) -> LiveRun:
     """Train with ``train_drafter``; measure ``probe`` before and every ``eval_every`` steps.
 
     on_update(run): called after every logged step and every measurement (redraw a figure).
     ``eval_every`` is a multiple of ``cfg.log_every`` (the loop hands out the drafter at logged steps).
+    init: a drafter to start from instead of a fresh one (``train_drafter``'s ``init``; it is
+    copied, so the caller's drafter is left as it is, and ``run.initial`` is that copy untrained).
     """
     if eval_every < 1 or eval_every % cfg.log_every:
         raise ValueError(f"`eval_every` ({eval_every}) must be a positive multiple of log_every ({cfg.log_every})")
     run = LiveRun(cfg)
     # Step 0: the drafter train_drafter starts from (same seed, same initialisation), untrained.
-    torch.manual_seed(cfg.seed)
-    run.initial = DFlashLagunaDrafter(make_drafter_config(target.config, cfg)).to(next(target.parameters()).device).eval()
+    device = next(target.parameters()).device
+    if init is None:
+        torch.manual_seed(cfg.seed)
+        run.initial = DFlashLagunaDrafter(make_drafter_config(target.config, cfg)).to(device).eval()
+    else:
+        run.initial = copy.deepcopy(init).to(device=device, dtype=torch.float32).eval()
     run.evals.append((0, probe(run.initial)))
     continuation = {v.shape[1] - P for P, v in data.items()}.pop()
 
@@ -103,7 +140,8 @@ def train_live(target, data: dict, cfg: DrafterTrainConfig, probe: AcceptancePro
         if on_update is not None:
             on_update(run)
 
-    run.drafter, run.log = train_drafter(target, data, cfg, continuation, callback=callback,
+    start = None if init is None else copy.deepcopy(run.initial)
+    run.drafter, run.log = train_drafter(target, data, cfg, continuation, init=start, callback=callback,
                                          show_progress=show_progress)
     # The last measurement after the loop: in the arithmetic the trained drafter is served with
     # (train_drafter lets float32 matmuls use TF32 on a GPU while it runs).

@@ -9,6 +9,8 @@ place from a training callback.
 
 from __future__ import annotations
 
+import math
+
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
@@ -23,6 +25,16 @@ def _panels(loss_curve, evals):
     first = evals[0][1].per_position_acceptance_rate if evals else []
     latest = evals[-1][1].per_position_acceptance_rate if evals else []
     return (loss_x, loss_y), (tau_x, tau_y), (list(range(1, len(latest) + 1)), latest, first)
+
+
+def tau_axis_range(taus) -> list[float]:
+    """The τ panel's y range: from just below the lowest τ (never below 1, the least a draft
+    step yields) to just above the highest, at least 0.5 tall, on 0.1 steps: the axis starts
+    near the data, so a rise from 1.0 to 1.7 fills the panel instead of its top third."""
+    taus = [t for t in taus if t is not None] or [1.0]
+    lo = max(1.0, math.floor((min(taus) - 0.05) * 10) / 10)
+    hi = max(lo + 0.5, math.ceil((max(taus) + 0.05) * 10) / 10)
+    return [lo, hi]
 
 
 def _title(evals, label: str) -> str:
@@ -58,7 +70,7 @@ def live_training_figure(loss_curve=(), evals=(), *, label: str = "drafter", tot
     fig.update_xaxes(title_text="step", row=1, col=2)
     fig.update_xaxes(title_text="block position i", dtick=1, row=1, col=3)
     fig.update_yaxes(title_text="cross-entropy (nats)", row=1, col=1)
-    fig.update_yaxes(rangemode="tozero", title_text="τ (mean acceptance length)", row=1, col=2)
+    fig.update_yaxes(range=tau_axis_range(ty), title_text="τ (mean acceptance length)", row=1, col=2)
     fig.update_yaxes(range=[0, 1], title_text="rate", row=1, col=3)
     # A fixed width: a FigureWidget does not stretch to the page by itself, and three panels need room.
     fig.update_layout(title=_title(list(evals), label), height=380, width=1000, margin=dict(l=10, r=10, t=80, b=10),
@@ -74,6 +86,7 @@ def update_live_training_figure(fig, loss_curve, evals, *, label: str = "drafter
         fig.data[1].x, fig.data[1].y = tx, ty
         fig.data[2].x, fig.data[2].y = pos, latest
         fig.data[3].x, fig.data[3].y = pos, first
+        fig.layout.yaxis2.range = tau_axis_range(ty)
         fig.layout.title.text = _title(list(evals), label)
 
 
