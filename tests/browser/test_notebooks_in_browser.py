@@ -645,7 +645,45 @@ def check_chapter_4(nb: Notebook, *, flipped: bool = False) -> None:
           f"{page['models'][0]['options'][:2]}")
 
 
-CHAPTER_CHECKS = {"04_hybrid_kv_groups": check_chapter_4, "05_fused_kernels_and_sliding_window": check_chapter_5}
+# Chapter 6's training figures (live run and explorer): title, the τ panel's axis and data.
+JS_CHAPTER_6 = "(path) => {" + PANEL + """
+  const root = panel.content.node;
+  return Array.from(root.querySelectorAll('.jp-OutputArea .js-plotly-plot')).filter(
+      gd => /mean acceptance length/.test((((gd.layout || {}).yaxis2 || {}).title || {}).text || '')).map(gd => ({
+        title: (((gd.layout || {}).title || {}).text || '').replace(/<br>/g, ' '),
+        range: ((gd.layout || {}).yaxis2 || {}).range || null,
+        shown: gd._fullLayout && gd._fullLayout.yaxis2 ? gd._fullLayout.yaxis2.range : null,
+        tau: Array.from(((gd.data || [])[1] || {}).y || [])}));
+}"""
+
+
+def check_chapter_6(nb: Notebook, *, flipped: bool = False) -> None:
+    """Chapter 6's live run shows learning: its held-out τ after training (the kernel's) reaches the
+    chapter's floor, the live figure's title says the kernel's τ before and after, and every
+    training figure's τ axis starts near its data (at 1, the least τ, or above; never at 0) and
+    holds all of it."""
+    here = nb.kernel_eval("", "{'taus': [s.mean_acceptance_length for _, s in run.evals], 'floor': TAU_FLOOR, "
+                              "'steps': [st for st, _ in run.evals]}")
+    taus = here["taus"]
+    assert taus[-1] >= here["floor"], f"{nb.path}: the live run reached held-out τ {taus[-1]:.3f} < {here['floor']}"
+    figures = nb.page.evaluate(JS_CHAPTER_6, nb.path)
+    live = [f for f in figures if f["title"].startswith("paper drafter:")]
+    assert live, f"{nb.path}: no live training figure; τ figures: {[f['title'] for f in figures]}"
+    said = (f"held-out τ {taus[0]:.2f} at step {here['steps'][0]} → {taus[-1]:.2f} at step {here['steps'][-1]}")
+    assert said in live[0]["title"], f"{nb.path}: the live figure's title {live[0]['title']!r} does not say {said!r}"
+    for fig in figures:
+        drawn = [t for t in fig["tau"] if t is not None]
+        if not drawn:
+            continue
+        lo, hi = fig["shown"] or fig["range"]
+        assert 1.0 - 1e-9 <= lo <= min(drawn) and min(drawn) - lo <= 0.2 and hi >= max(drawn), (
+            f"{nb.path}: the τ axis of {fig['title']!r} runs {lo}..{hi}, its data {min(drawn):.2f}..{max(drawn):.2f}")
+    print(f"{nb.path}: live run τ {taus[0]:.2f} → {taus[-1]:.2f} (floor {here['floor']}); τ axes "
+          f"{[f['shown'] or f['range'] for f in figures]}")
+
+
+CHAPTER_CHECKS = {"04_hybrid_kv_groups": check_chapter_4, "05_fused_kernels_and_sliding_window": check_chapter_5,
+                  "06_train_the_drafter": check_chapter_6}
 
 
 def test_notebook_runs_renders_and_reacts(notebook, lab_server, lab_page, screenshots):
