@@ -80,3 +80,20 @@ def test_the_docstring_prompts_are_recut_exactly_from_this_interpreters_stdlib()
         pytest.skip(f"the set was cut from Python {doc_python}'s standard library")
     recut = corpus.cut_docstring_prompts(corpus.gather(), avoid=heldout_prompts())
     assert [p["text"] for p in recut] == [p["text"] for p in heldout_prompts(DOCSTRING_PROMPTS)]
+
+
+def test_the_window_study_pairs_each_drafters_drop_and_their_difference():
+    from dflash_lab.measure.drafters import window_drops
+
+    rng = np.random.default_rng(3)
+    def counts(extra):
+        return np.column_stack([np.full(30, 20), rng.integers(40, 60, 30) + extra]).tolist()
+    runs = {"a: full prompts": counts(0), "a: last 64 tokens": counts(0), "b: full prompts": counts(0),
+            "b: last 64 tokens": counts(10)}  # b accepts 10 more tokens per prompt on the cut prompts
+    study = {"cut_tokens": 64, "num_prompts": 30,
+             "runs": {k: {"per_prompt_drafts_accepted": v} for k, v in runs.items()}}
+    d = window_drops(study)
+    a, b = (tau_of(np.array(runs[f"{x}: full prompts"])) - tau_of(np.array(runs[f"{x}: last 64 tokens"])) for x in "ab")
+    assert d["a: full - last 64 tokens"]["difference"] == pytest.approx(a)
+    assert d["b's drop - a's drop"]["difference"] == pytest.approx(b - a)
+    assert d["b's drop - a's drop"]["high"] < 0  # b drops by ~0.5 more: resolved

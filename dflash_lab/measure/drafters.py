@@ -134,12 +134,38 @@ def window_study(target, drafters: dict, tokenizer, prompts, *, cut_tokens: int 
             "runs": runs}
 
 
+def window_drops(study: dict) -> dict:
+    """Paired over prompts: each drafter's tau on full prompts minus on their cut tails, and how much more
+    the sliding drafter drops than the full-attention one (the same resamples throughout)."""
+    runs, cut = study["runs"], f"last {study['cut_tokens']} tokens"
+    counts = {name: np.asarray(r["per_prompt_drafts_accepted"], dtype=np.float64) for name, r in runs.items()}
+    index = bootstrap_index(study["num_prompts"])
+    drafters = [name.split(": ")[0] for name in runs if name.endswith(": full prompts")]
+    out, drop = {}, {}
+    for d in drafters:
+        full, tail = counts[f"{d}: full prompts"], counts[f"{d}: {cut}"]
+        out[f"{d}: full - {cut}"] = paired_difference(full, tail, index=index)
+        drop[d] = _resampled_taus(full, index) - _resampled_taus(tail, index)
+    if len(drafters) == 2:
+        a, b = drafters
+        diff = drop[b] - drop[a]
+        low, high = np.nanpercentile(diff, [50 * (1 - LEVEL), 50 * (1 + LEVEL)])
+        out[f"{b}'s drop - {a}'s drop"] = {"difference": out[f"{b}: full - {cut}"]["difference"]
+                                           - out[f"{a}: full - {cut}"]["difference"], "low": float(low),
+                                           "high": float(high), "share_a_ahead": float(np.mean(diff > 0))}
+    return out
+
+
 def window_markdown(study: dict) -> str:
     t = study["prompt_tokens"]
     lines = [f"### Long prompts and the window (block {study['block_size']}, {study['num_prompts']} held-out prompts of "
              f"{t['min']}-{t['max']} tokens, {study['max_new_tokens']} new tokens)", "",
              "| drafter: prompts | τ | 95 % interval |", "|---|---|---|"]
     lines += [f"| {name} | {r['tau']:.2f} | [{r['low']:.2f}, {r['high']:.2f}] |" for name, r in study["runs"].items()]
+    lines += ["", "Paired over prompts (the same bootstrap resamples):", "", "| difference | τ | 95 % interval |",
+              "|---|---|---|"]
+    lines += [f"| {name} | {d['difference']:+.2f} | [{d['low']:+.2f}, {d['high']:+.2f}] |"
+              for name, d in window_drops(study).items()]
     return "\n".join(lines) + "\n"
 
 
