@@ -75,8 +75,10 @@ def main() -> int:
              f"{NUM_PROMPTS} held-out prompts x {NEW_TOKENS} new tokens; written by scripts/compare_lab_with_vllm.py "
              f"on {meta['date']}.", "",
              "Drafters: `paper` = `checkpoints/laguna-tiny-code-dflash` (full attention, non-causal), `poolside` = "
-             "`checkpoints/laguna-tiny-code-dflash-poolside` (sliding window 64, causal). vLLM ran with "
-             "`--disable-hybrid-kv-cache-manager` (one KV-cache group for the drafter's layers) for: "
+             "`checkpoints/laguna-tiny-code-dflash-poolside` (sliding window 64, causal). vLLM ran with its defaults "
+             "(hybrid KV-cache manager on) for: "
+             f"{', '.join(sorted({r['drafter'] for r in records if r['drafter'] and not r['hybrid_kv_cache_manager_disabled']})) or 'none'}"
+             "; with `--disable-hybrid-kv-cache-manager` (a split drafter's way into one KV-cache group) for: "
              f"{', '.join(sorted({r['drafter'] for r in records if r['hybrid_kv_cache_manager_disabled']})) or 'none'}.",
              "",
              "| method | drafter | k | side | drafts | draft tokens | accepted | tau | accepted per position | equal |",
