@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from ..assets import DRAFTERS, heldout_prompts, load_default_pair
+from ..assets import DRAFTERS, heldout_prompts, load_default_pair, pair_fingerprint
 from ..measure.drafters import compare_drafters, markdown, window_markdown, window_study
 from ..runtime import BENCHMARKS_DIR, DOCSTRING_PROMPTS, device_name, resolve_device
 from ..train.common import LOG_NAME, write_log
@@ -37,16 +37,16 @@ def drafters(args) -> int:
     if args.window_study:
         study = window_study(target, {"paper": paper, "poolside": poolside}, tokenizer, sets["held-out"],
                              max_new_tokens=args.max_new_tokens, progress=lambda s: print(s, flush=True))
-        study.update(device=device_name(device), seconds=round(time.perf_counter() - start, 1),
-                     command="python -m dflash_lab.tools.bench drafters --window-study")
+        study.update(device=device_name(device), pair=pair_fingerprint(),
+                     seconds=round(time.perf_counter() - start, 1), command="python -m dflash_lab.tools.bench drafters --window-study")
         md = window_markdown(study) + f"\nCommand: `{study['command']}` ({study['seconds']:.0f} s)\n"
         print(md)
         print("wrote", *write_results(args.out, "drafter_window", study, md))
         return 0
     result = compare_drafters(target, {"paper": paper, "poolside": poolside}, tokenizer, sets, block_sizes=blocks,
                               max_new_tokens=args.max_new_tokens, progress=lambda s: print(s, flush=True))
-    result.update(device=device_name(device), dtype=str(next(target.parameters()).dtype).replace("torch.", ""),
-                  seconds=round(time.perf_counter() - start, 1),
+    result.update(device=device_name(device), pair=pair_fingerprint(),
+                  dtype=str(next(target.parameters()).dtype).replace("torch.", ""), seconds=round(time.perf_counter() - start, 1),
                   command="python -m dflash_lab.tools.bench drafters" + (" --quick" if args.quick else ""))
     md = ("# The shipped drafters compared\n\n"
           f"{result['device']}, {result['dtype']}, `evaluate_acceptance` (the decoder's exact counters). "
