@@ -38,7 +38,8 @@ def drafters(args) -> int:
         study = window_study(target, {"paper": paper, "poolside": poolside}, tokenizer, sets["held-out"],
                              max_new_tokens=args.max_new_tokens, progress=lambda s: print(s, flush=True))
         study.update(device=device_name(device), pair=pair_fingerprint(),
-                     seconds=round(time.perf_counter() - start, 1), command="python -m dflash_lab.tools.bench drafters --window-study")
+                     seconds=round(time.perf_counter() - start, 1),
+                     command="python -m dflash_lab.tools.bench drafters --window-study")
         md = window_markdown(study) + f"\nCommand: `{study['command']}` ({study['seconds']:.0f} s)\n"
         print(md)
         print("wrote", *write_results(args.out, "drafter_window", study, md))
@@ -46,7 +47,8 @@ def drafters(args) -> int:
     result = compare_drafters(target, {"paper": paper, "poolside": poolside}, tokenizer, sets, block_sizes=blocks,
                               max_new_tokens=args.max_new_tokens, progress=lambda s: print(s, flush=True))
     result.update(device=device_name(device), pair=pair_fingerprint(),
-                  dtype=str(next(target.parameters()).dtype).replace("torch.", ""), seconds=round(time.perf_counter() - start, 1),
+                  dtype=str(next(target.parameters()).dtype).replace("torch.", ""),
+                  seconds=round(time.perf_counter() - start, 1),
                   command="python -m dflash_lab.tools.bench drafters" + (" --quick" if args.quick else ""))
     md = ("# The shipped drafters compared\n\n"
           f"{result['device']}, {result['dtype']}, `evaluate_acceptance` (the decoder's exact counters). "
