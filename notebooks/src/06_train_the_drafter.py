@@ -147,7 +147,8 @@ loop = torch.tensor([tokenizer.encode("-192" * 20, add_special_tokens=False)[:C]
 print(f"'-192-192-…' as {loop.shape[1]} tokens: {len(set(loop[0].tolist()))} distinct, dropped: "
       f"{bool(is_degenerate(loop, min_distinct))}")
 fewest = min(range(len(distinct)), key=distinct.__getitem__)
-print(f"the kept continuation with the fewest ({distinct[fewest]}):", repr(tokenizer.decode(sequences[fewest, P:].tolist())))
+text = repr(tokenizer.decode(sequences[fewest, P:].tolist()))
+print(f"the kept continuation with the fewest ({distinct[fewest]}):", text if len(text) <= 110 else text[:110] + "…")
 
 # %% [markdown]
 # One of them: the end of the real prefix, then what the target wrote.
