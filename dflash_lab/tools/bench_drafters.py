@@ -12,7 +12,6 @@ lookup at block 16 beside them (``measure.drafters``). Writes benchmarks/drafter
 
 from __future__ import annotations
 
-import json
 import time
 
 import torch
@@ -20,7 +19,7 @@ import torch
 from ..assets import DRAFTERS, heldout_prompts, load_default_pair, pair_fingerprint
 from ..measure.drafters import compare_drafters, markdown, window_markdown, window_study
 from ..runtime import BENCHMARKS_DIR, DOCSTRING_PROMPTS, device_name, resolve_device
-from ..train.common import LOG_NAME, write_log
+from ..train.evaluate import update_training_log
 from .bench_common import write_results
 
 
@@ -59,15 +58,10 @@ def drafters(args) -> int:
     print(md)
     print("wrote", *paths)
     if args.update_logs and not args.quick:
-        for name, directory in (("paper", DRAFTERS["paper"]), ("poolside", DRAFTERS["poolside"])):
-            path = directory / LOG_NAME
-            log = json.loads(path.read_text())
-            log.setdefault("final", {})
-            log["final"].update({f"block_{bs}": r["record"]
-                                 for bs, r in result["sets"]["held-out"]["drafters"][name].items()},
-                                eval_device=str(device))
-            write_log(path, log)
-            print("updated", path)
+        for name in ("paper", "poolside"):
+            held_out = result["sets"]["held-out"]["drafters"][name]
+            print("updated", update_training_log(DRAFTERS[name], {bs: r["record"] for bs, r in held_out.items()},
+                                                 device))
     return 0
 
 

@@ -199,8 +199,15 @@ def run_evaluate(args) -> None:
         print_acceptance(ev)
     print(f"{clock.elapsed():.0f}s on {device}")
     if args.update_log:
-        path = Path(args.drafter) / LOG_NAME
-        log = json.loads(path.read_text())
-        log.setdefault("final", {})
-        log["final"].update({f"block_{bs}": ev.record() for bs, ev in evs.items()}, eval_device=str(device))
-        write_log(path, log)
+        update_training_log(args.drafter, {bs: ev.record() for bs, ev in evs.items()}, device)
+
+
+def update_training_log(drafter_dir, records: dict, device) -> Path:
+    """Write held-out acceptance records ({block size: ``AcceptanceEval.record()``}) into a drafter's
+    training log, under ``final`` (what chapter 6 and the README read)."""
+    path = Path(drafter_dir) / LOG_NAME
+    log = json.loads(path.read_text())
+    log.setdefault("final", {})
+    log["final"].update({f"block_{bs}": record for bs, record in records.items()}, eval_device=str(device))
+    write_log(path, log)
+    return path
