@@ -35,16 +35,18 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing in the lab reaches the n
 import importlib.util
 import inspect
 import json
+import logging
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-from IPython.display import HTML
+from IPython.display import HTML, Markdown, display
 from tqdm.auto import tqdm
 
 from dflash_lab import viz
-from dflash_lab.assets import DRAFTERS, default_device, heldout_prompts, load_default_pair
+from dflash_lab.assets import (DRAFTERS, default_device, heldout_prompts, load_default_pair, measured_on_this_pair,
+                               pair_fingerprint)
 from dflash_lab.checkpoint import load_drafter
 from dflash_lab.export import export_stats
 from dflash_lab.spec_decode.metrics import stats_from_prometheus_text
@@ -58,6 +60,11 @@ from dflash_lab.user_prompts import PROMPTS_ENV, prompts_from_env
 from dflash_lab.vllm_engine.kv_grouping import drafter_kv_groups, needs_hybrid_manager_disabled
 from dflash_lab.widgets import acceptance_explorer, step_through
 
+# §10 asks vLLM 0.33's own grouping, and importing it on a CPU logs what this machine lacks (a GPU,
+# Triton, vLLM's compiled ops) and torch's deprecation notes, each in a red stderr box: not this
+# chapter's concern (chapter 4 keeps them quiet too). torch set its loggers' levels when imported above.
+logging.getLogger("vllm").setLevel(logging.ERROR)
+logging.getLogger("torch").setLevel(logging.ERROR)
 _ = seed_everything(0)  # (it returns a seeded generator; this chapter does not need one)
 
 # %% [markdown]
@@ -335,11 +342,13 @@ for r in here:
     print(f"{r['label']:18s} {r['tokens_per_s']:7.1f} tokens/s  ({r['tokens_per_s'] / here[0]['tokens_per_s']:.2f}x plain)")
 
 # %% [markdown]
-# `benchmarks/spec_decode.json` (`python -m dflash_lab.tools.bench spec-decode`) holds H200 runs of
-# this pair through the lab's static-cache path with each step captured as a CUDA graph (batch 1,
-# bfloat16; the way vLLM runs, `dflash_lab.spec_decode.fast.decoder`), in **its own setting**: 32
-# other held-out prompts and 96 new tokens each, so its τ is not this chapter's. All on one figure:
-# left, target forwards per token (hatched bars: the H200 runs); right, τ against the measured
+# `benchmarks/spec_decode.json` (`python -m dflash_lab.tools.bench spec-decode`) holds H200 runs
+# through the lab's static-cache path with each step captured as a CUDA graph (batch 1, bfloat16;
+# the way vLLM runs, `dflash_lab.spec_decode.fast.decoder`), in **its own setting**: 32 other
+# held-out prompts and 96 new tokens each, so its τ is not this chapter's. The benchmark records
+# the pair it measured (`pair_fingerprint`: the weights' hashes); the cell below compares it with
+# the checkpoints loaded here, and only a run of this very pair joins the figure. The figure: left,
+# target forwards per token (hatched bars: H200 runs, when drawn); right, τ against the measured
 # speedup over plain greedy on the same machine and path (circles: this machine, diamonds: the
 # H200). The dashed diagonal is speedup = τ: what you would get if drafting were free and
 # verifying a block cost no more than one plain forward. Colours, here and in every chapter:
@@ -354,7 +363,16 @@ h200 = [{"label": names[r["method"]] + ("" if r["method"] == "target_only" else 
          "target_forwards_per_token": r["target_forwards_per_token"]}
         for r in bench["records"] if r["batch"] == 1 and r["cuda_graphs"] and r["method"] in names
         and r["block_size"] in (1, 16)]
-print(f"H200 setting: {bench['n_prompts']} held-out prompts, {bench['max_new_tokens']} new tokens, bfloat16, batch 1")
+measured = sorted({r.get("measured", "?")[:10] for r in bench["records"] if r["method"] in names and r["batch"] == 1})
+print(f"H200 setting: {bench['n_prompts']} held-out prompts, {bench['max_new_tokens']} new tokens, bfloat16, batch 1; "
+      f"measured {', '.join(measured)}")
+if not measured_on_this_pair(bench):  # another pair's numbers would not belong on this pair's figure
+    then, now = bench.get("pair") or {}, pair_fingerprint()
+    depth = (then.get("paper") or {}).get("num_hidden_layers", "?")
+    print(f"  on another pair than the one loaded here (weights {then.get('target', '?')} + {(then.get('paper') or {}).get('weights', '?')}, "
+          f"a {depth}-layer drafter; here {now['target']} + {now['paper']['weights']}, {now['paper']['num_hidden_layers']} layers): "
+          "not drawn; re-run the benchmark on an H200 to draw this pair's")
+    h200 = []
 for r in h200:
     tau = f"tau {r['tau']:.2f}, " if r["tau"] else ""
     print(f"  {r['label']:18s} {tau}{r['tokens_per_s']:6.1f} tokens/s, {r['target_forwards_per_token']:.3f} "
@@ -365,35 +383,67 @@ for r in h200:
 viz.tau_vs_speedup_figure(here + h200)
 
 # %% [markdown]
-# Reading it: both drafters cut the target forwards per token (left), and every drafting point
-# still sits below the diagonal, on the H200 too. Two costs the forward count leaves out take the
-# difference: a forward over a block of 16 tokens costs more than a forward over one, and the
-# drafter's own forward (plus appending context K/V) is not free. At 8.8 M parameters every GPU
-# kernel is latency-bound, so even with CUDA graphs one DFlash step (draft, then verify 16
-# tokens) costs more than one plain step, and τ is divided by that ratio (the H200's per-step
-# phases, measured by the benchmark, below). On a CPU a verify forward's compute grows with the
-# tokens in it, and the drafter runs at every step; prompt lookup drafts without a model, and
-# where it finds no match it verifies a single token. So on this machine prompt lookup can come
-# out ahead although it needs more target forwards per token than DFlash (the table above): its
-# forwards are cheaper (the cost per step on this machine, below).
+# Reading it: drafting cuts the target forwards per token (left), but the clock (right) pays two
+# costs the forward count leaves out: a forward over a block of 16 tokens costs more than a
+# forward over one, and the drafter's own forward (plus appending context K/V) is not free. So a
+# drafting point sits at or below the diagonal, and how far below is the price of a step in plain
+# steps. At 8.8 M parameters every GPU kernel is latency-bound, so even with CUDA graphs one DFlash
+# step (draft, then verify 16 tokens) costs more than one plain step. On a CPU a verify forward's
+# compute grows with the tokens in it, and the drafter runs at every step; prompt lookup drafts
+# without a model, and where it finds no match it verifies a single token. The cell below measures
+# both costs per step and says, from them, where each point lands and why.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-ph = bench["phases"]
-per_step = {m: sum(ph[m][k] for k in ("draft_ms_per_step", "verify_ms_per_step", "append_ms_per_step",
-                                      "accept_ms_per_step")) for m in ("dflash", "target_only")}
-ratio, tau_h200 = per_step["dflash"] / per_step["target_only"], next(r["tau"] for r in h200 if r["method"] == "DFlash")
-print(f"H200: a DFlash b16 step {per_step['dflash']:.2f} ms (draft {ph['dflash']['draft_ms_per_step']:.2f}, verify "
-      f"{ph['dflash']['verify_ms_per_step']:.2f}), a plain step {per_step['target_only']:.2f} ms: {ratio:.2f} plain steps, "
-      f"so tau {tau_h200:.2f} buys at most {tau_h200 / ratio:.2f}x")
-for name, st in {"plain greedy": greedy_only, "DFlash b16": dflash[16], "prompt lookup b16": lookup[16]}.items():
-    print(f"this machine, {name:18s} {1e3 * st.target_time_s / st.num_target_forwards:5.1f} ms per target forward, "
-          f"{1e3 * st.drafter_time_s / st.num_target_forwards:5.1f} ms drafter + context append per step; "
-          f"drafts at {st.num_drafts} of {st.num_target_forwards} steps")
-speedup = lambda rows, r: r["tokens_per_s"] / next(b for b in rows if b["method"] == "plain greedy")["tokens_per_s"]  # noqa: E731
-print("every drafting point below the diagonal:", all(speedup(rows, r) < r["tau"] for rows in (here, h200) for r in rows
-                                                       if r["tau"]))
+if h200:  # the H200's per-step phases, for the same pair only
+    ph = bench["phases"]
+    per_step = {m: sum(ph[m][k] for k in ("draft_ms_per_step", "verify_ms_per_step", "append_ms_per_step",
+                                          "accept_ms_per_step")) for m in ("dflash", "target_only")}
+    ratio, tau_h200 = per_step["dflash"] / per_step["target_only"], next(r["tau"] for r in h200 if r["method"] == "DFlash")
+    print(f"H200: a DFlash b16 step {per_step['dflash']:.2f} ms (draft {ph['dflash']['draft_ms_per_step']:.2f}, verify "
+          f"{ph['dflash']['verify_ms_per_step']:.2f}), a plain step {per_step['target_only']:.2f} ms: {ratio:.2f} plain "
+          f"steps, so tau {tau_h200:.2f} buys at most {tau_h200 / ratio:.2f}x")
 
+
+def step_cost(st):  # this machine: (ms of target forward, ms of drafter + context append) per target forward
+    return 1e3 * st.target_time_s / st.num_target_forwards, 1e3 * st.drafter_time_s / st.num_target_forwards
+
+
+for name, st in {"plain greedy": greedy_only, "DFlash b16": dflash[16], "prompt lookup b16": lookup[16]}.items():
+    verify_ms, draft_ms = step_cost(st)
+    print(f"this machine, {name:18s} {verify_ms:5.1f} ms per target forward, {draft_ms:5.1f} ms drafter + context "
+          f"append per step; drafts at {st.num_drafts} of {st.num_target_forwards} steps")
+
+speedup = lambda rows, r: r["tokens_per_s"] / next(b for b in rows if b["method"] == "plain greedy")["tokens_per_s"]  # noqa: E731
+above = [f"{r['label']} ({r['where']})" for rows in (here, h200) for r in rows if r["tau"] and speedup(rows, r) >= r["tau"]]
+plain_ms = sum(step_cost(greedy_only))
+why = {}  # method -> (tokens per target forward, ms per step, the speedup those two predict, the measured one)
+for name, st in {"DFlash": dflash[16], "prompt lookup": lookup[16]}.items():
+    tokens, cost = 1 / st.target_forwards_per_token, sum(step_cost(st))
+    why[name] = (tokens, cost, tokens * plain_ms / cost, speedup(here, next(r for r in here if r["method"] == name)))
+(d_tok, d_ms, d_pred, d_meas), (l_tok, l_ms, l_pred, l_meas) = why["DFlash"], why["prompt lookup"]
+d_verify, d_draft = step_cost(dflash[16])
+winner = "prompt lookup" if l_meas > d_meas else "DFlash"  # by the clock
+if winner != ("prompt lookup" if l_pred > d_pred else "DFlash"):
+    reason = "the costs per step predict the other order, and the clock of a shared machine is noisy"
+elif winner == "prompt lookup":
+    reason = (f"a DFlash step costs {d_ms / l_ms:.1f}x a prompt-lookup step here, more than the {d_tok / l_tok:.2f}x "
+              "as many tokens per target forward it emits")
+else:
+    reason = (f"it emits {d_tok / l_tok:.2f}x as many tokens per target forward as prompt lookup, more than its step "
+              f"costs over a prompt-lookup step ({d_ms / l_ms:.1f}x)")
+display(Markdown(
+    f"**On this machine ({SETTING}, block 16).** A plain step costs {plain_ms:.1f} ms. DFlash emits "
+    f"{d_tok:.2f} tokens per target forward (τ {dflash[16].mean_acceptance_length:.2f}), but its step costs "
+    f"{d_ms:.1f} ms ({d_verify:.1f} ms verifying, {d_draft:.1f} ms drafting and appending context K/V): "
+    f"{d_tok:.2f} × {plain_ms:.1f} / {d_ms:.1f} ≈ **{d_pred:.2f}×** (measured {d_meas:.2f}×). Prompt lookup emits "
+    f"{l_tok:.2f} tokens per target forward (τ {lookup[16].mean_acceptance_length:.2f} on the {lookup[16].num_drafts} "
+    f"of {lookup[16].num_target_forwards} steps where it found a match), at {l_ms:.1f} ms a step (no drafter; a "
+    f"step without a match verifies one token): ≈ **{l_pred:.2f}×** (measured {l_meas:.2f}×). So **{winner}** is "
+    f"faster here: {reason}. "
+    + (f"Every drafting point sits below the diagonal{', here and on the H200' if h200 else ''}: no drafting step "
+       "is as cheap as a plain one."
+       if not above else f"At or above the diagonal: {', '.join(above)} — a clock on a shared machine is noisy.")))
 # %%
 viz.compare_acceptance_figure({"DFlash": dflash[16], "prompt lookup": lookup[16]},
                               title="DFlash (blue) vs prompt lookup (orange), block 16, greedy")
@@ -518,27 +568,31 @@ explorer
 # 8 prompts above with 64 greedy tokens each, and the spec-decode part of its `/metrics` page
 # was saved by `notebooks/data/capture_vllm_metrics_shipped_pair.py`.
 #
-# One thing had to be set for vLLM to serve this pair at all. vLLM's V1 model runner, which
-# this CPU build runs, needs all drafter layers in **one**
-# [KV-cache group](GLOSSARY.md#kv-cache-group) (its proposer's `validate_same_kv_cache_group`,
-# `v1/spec_decode/llm_base_proposer.py:1689-1709`). With a hybrid target
-# (4 sliding + 2 full layers here) vLLM cuts each attention type into groups of equal size,
-# and the counts decide where the cut falls: the 2 + 4 full-attention layers become two groups
-# of three, each with two of the drafter's layers, and the V1 runner refuses to start ("All
-# drafting layers should belong to the same kv cache group"; [chapter 4](04_hybrid_kv_groups.ipynb)
-# draws these groups, and says what 0.33's V2 runner, the default on a GPU, does instead).
-# With `--disable-hybrid-kv-cache-manager` every layer shares one group;
-# sliding layers still attend only inside their window, so the tokens do not change, only
-# their old pages are no longer freed. The lab asks vLLM's own grouping and passes the flag
-# only for pairs that need it:
+# One thing decides whether vLLM can serve a pair at all. vLLM's V1 model runner, which this CPU
+# build runs, needs all drafter layers in **one** [KV-cache group](GLOSSARY.md#kv-cache-group) (its
+# proposer's `validate_same_kv_cache_group`, `v1/spec_decode/llm_base_proposer.py:1689-1709`).
+# With a hybrid target (sliding + full layers) vLLM cuts each attention type into groups of equal
+# size, and the layer counts alone decide where the cut falls: when it splits the drafter's
+# layers, the V1 runner refuses to start ("All drafting layers should belong to the same kv cache
+# group"; [chapter 4](04_hybrid_kv_groups.ipynb) draws these groups, and says what 0.33's V2 runner,
+# the default on a GPU, does instead). With `--disable-hybrid-kv-cache-manager` every layer shares
+# one group; sliding layers still attend only inside their window, so the tokens do not change,
+# only their old pages are no longer freed. The lab asks vLLM's own grouping and passes the flag
+# only for pairs that need it; for the pair loaded here:
 
 # %%
 split = drafter_kv_groups(target_path(), drafter_path())
 print("drafter layers per KV-cache group, hybrid manager on: ", [len(g) for g in split])
 print("... with the hybrid manager off:", [len(g) for g in drafter_kv_groups(target_path(), drafter_path(),
                                                                             hybrid_manager_disabled=True)])
-print("the lab serves this pair with --disable-hybrid-kv-cache-manager:",
-      needs_hybrid_manager_disabled(target_path(), drafter_path()))
+flag = needs_hybrid_manager_disabled(target_path(), drafter_path())
+print("the lab serves this pair with --disable-hybrid-kv-cache-manager:", flag)
+assert flag == (len(split) > 1)
+display(Markdown(f"With its defaults vLLM puts this drafter's {sum(map(len, split))} layers in **{len(split)}** "
+                 f"KV-cache group{'s' if len(split) > 1 else ''}" + (
+                     f" ({' + '.join(str(len(g)) for g in split)}), so the V1 runner would refuse it and the lab "
+                     "serves it with the hybrid manager off." if len(split) > 1 else
+                     ", so vLLM serves the pair with its defaults (no flag).")))
 
 # %% [markdown]
 # The page's header says how it was made:
@@ -658,8 +712,10 @@ g, p = (by_method[k][1.0].mean_acceptance_length for k in ("DFlash, greedy draft
 print(f"- At temperature 1 (block 8): tau {g:.2f} with vLLM's greedy drafts, {p:.2f} with probabilistic drafts.")
 print(f"- vLLM's own engine on the same 8 prompts, but 64 new tokens (§10), block 16: tau "
       f"{served.mean_acceptance_length:.2f}, the lab in that setting {lab_like_server.mean_acceptance_length:.2f}; "
-      f"every counter equal: {same}. (At 32 new tokens: tau {dflash[16].mean_acceptance_length:.2f}; the "
-      f"generation length alone moves it.)")
+      f"every counter equal: {same}. " + (
+          f"(At 32 new tokens: tau {dflash[16].mean_acceptance_length:.2f}; the generation length alone moves it.)"
+          if same else "The captured page is not this pair's run (other checkpoints, or another setting): "
+          "notebooks/data/capture_vllm_metrics_shipped_pair.py captures it again."))
 
 # %% [markdown]
 # And the clock (it differs from machine to machine, so the tests do not compare this cell):
