@@ -430,8 +430,9 @@ elif winner == "prompt lookup":
     reason = (f"a DFlash step costs {d_ms / l_ms:.1f}x a prompt-lookup step here, more than the {d_tok / l_tok:.2f}x "
               "as many tokens per target forward it emits")
 else:
-    reason = (f"it emits {d_tok / l_tok:.2f}x as many tokens per target forward as prompt lookup, more than its step "
-              f"costs over a prompt-lookup step ({d_ms / l_ms:.1f}x)")
+    reason = (f"it emits {d_tok / l_tok:.2f}x as many tokens per target forward as prompt lookup, "
+              + (f"more than its step costs over a prompt-lookup step ({d_ms / l_ms:.1f}x)" if d_ms > l_ms else
+                 f"and its step costs no more than a prompt-lookup step ({d_ms / l_ms:.1f}x)"))
 display(Markdown(
     f"**On this machine ({SETTING}, block 16).** A plain step costs {plain_ms:.1f} ms. DFlash emits "
     f"{d_tok:.2f} tokens per target forward (τ {dflash[16].mean_acceptance_length:.2f}), but its step costs "
