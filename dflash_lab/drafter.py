@@ -124,8 +124,8 @@ def visible_keys(q_pos: torch.Tensor, k_pos: torch.Tensor, q_start: torch.Tensor
     k_is_context: the key holds a context position (the target's features); k_in_own_block: the key
     belongs to the query's own block. A query sees (a) context keys strictly before its block and
     (b) its own block: all of it, or with ``causal`` the keys at or before itself (vLLM's
-    ``_dflash_layer_causal``: sliding layers are causal unless the config says otherwise, FIDELITY
-    §1). A ``window`` limits compute, not the K/V store: |q - k| < window, which for a causal layer is
+    ``_dflash_layer_causal``, ``qwen3_dflash.py:62-73``: sliding layers are causal unless the config
+    says otherwise). A ``window`` limits compute, not the K/V store: |q - k| < window, which for a causal layer is
     vLLM's one-sided (w, 0) and for a non-causal one ``_maybe_symmetrize_window``'s (w, w).
     """
     visible = (k_is_context & (k_pos < q_start)) | k_in_own_block

@@ -31,7 +31,7 @@ from .target_lm import corpus_streams
 from .tokenizer import MASK_ID
 
 
-# Two attention recipes, as published (FIDELITY.md §1, §7): the DFlash paper's drafters are
+# Two attention recipes, as published: the DFlash paper's drafters are
 # full attention and non-causal inside the block; Poolside's (Laguna-*-DFlash) are sliding-window
 # layers, which vLLM makes causal inside the block.
 ATTENTION_PRESETS = {

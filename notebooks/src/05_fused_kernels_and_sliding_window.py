@@ -47,7 +47,7 @@
 #    Triton kernel**. Same numbers, different speed — we check both.
 # 2. **The sliding window.** A sliding-window drafter lets a block query see only
 #    keys within `window` positions (and, by vLLM's rule, a sliding layer is also
-#    [causal](GLOSSARY.md#causal) inside the block, FIDELITY §1). vLLM keeps the
+#    [causal](GLOSSARY.md#causal) inside the block: `_dflash_layer_causal`, vLLM 0.33 `qwen3_dflash.py:62-73`). vLLM keeps the
 #    drafter's K/V cache *full* anyway (DFlash writes the verifier's context at
 #    absolute slots); the window is a compute-time limit. So it can be switched at
 #    inference time — and we can measure what it costs in acceptance.
