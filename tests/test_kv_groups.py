@@ -34,6 +34,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
 
 from dflash_lab.kv_cache import engine as kv_engine, layout as kv_layout, presets as kv_presets, specs as kv_specs  # noqa: E402
 from dflash_lab.kv_cache import groups as kv  # noqa: E402
+from dflash_lab.kv_cache.groups import v1_refusal  # noqa: E402
 from dflash_lab import viz  # noqa: E402
 
 LAYOUTS = ["LBHNC", "BLHNC"]
@@ -997,15 +998,6 @@ def _drafter_groups(specs, groups):
     return [n for n in (sum(specs[name].is_draft for name in g.layer_names) for g in groups) if n]
 
 
-def _v1_refusal(specs, groups):
-    from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
-
-    proposer = SimpleNamespace(_draft_attn_layer_names=[n for n, s in specs.items() if s.is_draft])
-    try:
-        SpecDecodeBaseProposer.validate_same_kv_cache_group(proposer, SimpleNamespace(kv_cache_groups=groups))
-    except AssertionError as refused:
-        return str(refused)
-    return None
 
 
 def test_the_shipped_pair_preset_is_the_checkpoints_pair_and_comes_first():
@@ -1045,7 +1037,7 @@ def test_on_the_shipped_target_a_3_layer_drafter_sits_in_one_group_and_a_4_layer
     three = kv_specs.laguna_dflash_specs(target, kv_presets.shipped_drafter_config(3))
     groups = kv.vllm_kv_cache_groups(three)
     assert [len(g.layer_names) for g in groups] == [4, 5] and _drafter_groups(three, groups) == [3]
-    assert _v1_refusal(three, groups) is None
+    assert v1_refusal(three, groups) is None
     four = kv_presets.preset_specs("shipped_target_4_layer_drafter")
     assert sum(s.is_draft for s in four.values()) == kv_presets.PRESETS["shipped_target_4_layer_drafter"]["drafter_layers"] == 4
     groups = kv.vllm_kv_cache_groups(four)
@@ -1053,9 +1045,9 @@ def test_on_the_shipped_target_a_3_layer_drafter_sits_in_one_group_and_a_4_layer
     full = [n for n in names if kv_layout.spec_kind(four[n]) == "full_attention"]
     assert [g.layer_names for g in groups][1:] == [full[0::2], full[1::2]]
     assert _drafter_groups(four, groups) == [2, 2]
-    assert _v1_refusal(four, groups) == "All drafting layers should belong to the same kv cache group"
+    assert v1_refusal(four, groups) == "All drafting layers should belong to the same kv cache group"
     off = kv.vllm_kv_cache_groups(four, hybrid_manager_disabled=True)
-    assert len(off) == 1 and _v1_refusal(four, off) is None
+    assert len(off) == 1 and v1_refusal(four, off) is None
 
 
 def test_vllm_notes_the_padding_of_the_split_case(caplog):

@@ -352,3 +352,22 @@ def kv_cache_groups(
                           use_trailing_layer_fallback=uses_trailing_mtp_layers(method, model_type), rules=rules)
     warn_if_draft_group_unidentified(method, groups, rules=rules)
     return groups
+
+
+def v1_refusal(kv_cache_spec: Any, groups: list) -> str | None:
+    """vLLM V1's ``validate_same_kv_cache_group`` on ``groups``: None where it accepts, else its own message.
+
+    The draft layers are those whose spec carries the draft marker (``is_draft``), as vLLM's proposer lists
+    them; the check itself is vLLM's (``SpecDecodeBaseProposer``), run on stand-ins for the proposer and config.
+    """
+    from types import SimpleNamespace
+
+    from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
+
+    proposer = SimpleNamespace(_draft_attn_layer_names=[n for n, s in kv_cache_spec.items() if s.is_draft])
+    try:
+        SpecDecodeBaseProposer.validate_same_kv_cache_group(proposer, SimpleNamespace(kv_cache_groups=groups))
+    except AssertionError as refused:
+        return str(refused)
+    return None
+

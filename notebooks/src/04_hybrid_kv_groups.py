@@ -259,20 +259,7 @@ display(Markdown(f"The shipped pair: {rule_in_words(pair)}. So {verdict}."))
 # (`dflash_lab.vllm_engine.kv_grouping`) serves the pair with `--disable-hybrid-kv-cache-manager`:
 
 # %%
-from types import SimpleNamespace  # noqa: E402
-
-from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer  # noqa: E402
-
-
-def v1_refusal(specs, groups):
-    """vLLM V1's ``validate_same_kv_cache_group`` on ``groups``: None if it accepts, else its message."""
-    proposer = SimpleNamespace(_draft_attn_layer_names=[name for name, spec in specs.items() if spec.is_draft])
-    try:
-        SpecDecodeBaseProposer.validate_same_kv_cache_group(proposer, SimpleNamespace(kv_cache_groups=groups))
-    except AssertionError as refused:
-        return str(refused)
-    return None
-
+from dflash_lab.kv_cache.groups import v1_refusal  # noqa: E402  (vLLM V1's validate_same_kv_cache_group, run as is)
 
 pair_refusal = v1_refusal(pair, pair_groups)
 print("vLLM V1 (validate_same_kv_cache_group):",
