@@ -23,8 +23,8 @@ from __future__ import annotations
 import torch
 
 from .runtime import (
-    CHECKPOINTS_DIR, DEFAULT_DRAFTER, DEFAULT_TARGET, DEVICE_ENV, DRAFTER_ENV, HELDOUT_PROMPTS, TARGET_ENV, drafter_path,
-    load_tokenizer, resolve_device, resolve_device_and_dtype, target_path,
+    CHECKPOINTS_DIR, DEFAULT_DRAFTER, DEFAULT_TARGET, DEVICE_ENV, DOCSTRING_PROMPTS, DRAFTER_ENV, HELDOUT_PROMPTS, TARGET_ENV,
+    drafter_path, load_tokenizer, resolve_device, resolve_device_and_dtype, target_path,
 )
 
 
@@ -74,6 +74,12 @@ def heldout_prompts(path=None) -> list[dict]:
     from .corpus import load_prompts
 
     return load_prompts(path or HELDOUT_PROMPTS)
+
+
+def docstring_prompts(path=None) -> list[dict]:
+    """The docstring-first prompt set (``corpus.cut_docstring_prompts``, checkpoints/docstring_prompts.json): a
+    function's signature and docstring, the continuation its body; dicts as ``heldout_prompts``'s, plus ``def_line``."""
+    return heldout_prompts(path or DOCSTRING_PROMPTS)
 
 
 def pair_fingerprint() -> dict:

@@ -6,6 +6,8 @@ One record per (method, block size, batch, CUDA graphs on/off):
                          paper's), "dflash_poolside" (the Poolside-style drafter: sliding, causal),
                          "prompt_lookup"
     block_size, batch, cuda_graphs, tokens_per_s, mean_acceptance_length, device
+    prompt_set           "heldout" or "docstring" (``PROMPT_SETS``), set by the caller that chose the
+                         prompts (``bench spec-decode``); a record without it is a held-out one
     + tokens, seconds, batch_steps, ms_per_batch_step, target_forwards_per_token,
       outputs_equal_target_only (same batch and graphs setting), outputs_equal_graphs_off
 
@@ -29,6 +31,18 @@ from ..spec_decode.fast.decoder import PHASES, FastDecoder, phase_times
 from ..spec_decode.stats import SpecDecodeStats
 
 METHODS = ("target_only", "dflash", "dflash_poolside", "prompt_lookup")
+PROMPT_SETS = ("heldout", "docstring")  # assets.heldout_prompts, assets.docstring_prompts, in report order
+
+
+def prompt_set_of(record: dict) -> str:
+    """The prompt set a record was measured on: its ``prompt_set``, "heldout" for records written before
+    the field existed (every earlier run timed the held-out prompts)."""
+    return record.get("prompt_set") or "heldout"
+
+
+def records_of(records, prompt_set: str) -> list[dict]:
+    """The records measured on ``prompt_set`` ("heldout" or "docstring"), in their order."""
+    return [r for r in records if prompt_set_of(r) == prompt_set]
 
 
 def drafter_methods(drafters: dict) -> dict:
@@ -107,14 +121,15 @@ def measure_fast_decoding(target, drafters: dict, prompts, *, batches, block_siz
 
 
 def speedups(records) -> list[dict]:
-    """tokens/s over target-only's at the same batch and graphs setting."""
-    base = {(r["batch"], r["cuda_graphs"]): r["tokens_per_s"] for r in records if r["method"] == "target_only"}
+    """tokens/s over target-only's on the same prompt set, at the same batch and graphs setting."""
+    key = lambda r: (prompt_set_of(r), r["batch"], r["cuda_graphs"])  # noqa: E731
+    base = {key(r): r["tokens_per_s"] for r in records if r["method"] == "target_only"}
     out = []
     for r in records:
-        b = base.get((r["batch"], r["cuda_graphs"]))
+        b = base.get(key(r))
         if b:
-            out.append({"method": r["method"], "block_size": r["block_size"], "batch": r["batch"],
-                        "cuda_graphs": r["cuda_graphs"], "speedup": round(r["tokens_per_s"] / b, 3),
+            out.append({"prompt_set": prompt_set_of(r), "method": r["method"], "block_size": r["block_size"],
+                        "batch": r["batch"], "cuda_graphs": r["cuda_graphs"], "speedup": round(r["tokens_per_s"] / b, 3),
                         "mean_acceptance_length": r["mean_acceptance_length"]})
     return out
 

@@ -1,21 +1,33 @@
 """Benchmark: speculative decoding speed of the shipped pair, measured, and projected to Laguna-XS.2.
 
-    python -m dflash_lab.tools.bench spec-decode [--quick] [--eager-loop]
+    python -m dflash_lab.tools.bench spec-decode [--quick] [--prompt-set {heldout,docstring,both}] [--eager-loop]
 
-1. Measured (``bench_fast_decode``): tokens/s of target-only greedy decoding,
-   DFlash and prompt lookup at each block size, at batch 1, 8 and 32, with CUDA
-   graphs on and off, on the static path (``dflash_lab.spec_decode.fast.decoder``),
-   and where a step's time goes (draft, verify, context K/V, accept).
-2. Projected (``bench_xs2``, GPU only): Laguna-XS.2's step times, graphed,
-   with the measured acceptance.
-3. ``--eager-loop``: the same pair through ``speculative_generate`` (the eager
-   teaching loop, transformers' forward and DynamicCache), under "shipped_pair"
-   (chapter 3 reads them); without it the previous run's rows are carried over,
-   marked as such.
+1. Measured (``measure.decoding``, tables by ``bench_fast_decode``): tokens/s of
+   target-only greedy decoding, DFlash (both shipped drafters) and prompt lookup at
+   each block size, at batch 1, 8 and 32, with CUDA graphs on and off, on the static
+   path (``dflash_lab.spec_decode.fast.decoder``), on each prompt set of
+   ``--prompt-set``: the held-out prompts (``assets.heldout_prompts``) and the
+   docstring-first prompts (``assets.docstring_prompts``: a function's signature and
+   docstring, the continuation its body), the same number of prompts, prompt length
+   and new tokens for both; then where a step's time goes (draft, verify, context
+   K/V, accept), on the held-out prompts.
+2. The goal, per prompt set (``goal_check``): at batch 1, graphs on, DFlash at the
+   largest block over target-only (>= 3x?), and over the best prompt lookup.
+3. Projected (``bench_xs2``, GPU only): Laguna-XS.2's step times, graphed,
+   with the measured acceptance on the held-out prompts.
+4. ``--eager-loop``: the same pair through ``speculative_generate`` (the eager
+   teaching loop, transformers' forward and DynamicCache) on held-out prompts,
+   under "shipped_pair" (chapter 3 reads them); without it the previous run's rows
+   are carried over, marked as such.
 
 Writes benchmarks/spec_decode.{json,md}; the records under "records" carry
-method, block_size, batch, cuda_graphs, tokens_per_s, mean_acceptance_length
-and device.
+prompt_set ("heldout" or "docstring"), method, block_size, batch, cuda_graphs,
+tokens_per_s, mean_acceptance_length and device. Records of the last run in the
+output folder that this run does not re-measure (the other graphs setting, a
+prompt set left out) are kept when the last run timed the same pair; a record
+written before ``prompt_set`` existed is a held-out one. "goal" is the held-out
+set's goal, "goals" every set's; "prompt_sets" says how many prompts and new
+tokens each set's records were measured with.
 """
 
 from __future__ import annotations
@@ -26,23 +38,35 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from ..assets import heldout_prompts, load_default_pair, pair_fingerprint
-from ..runtime import BENCHMARKS_DIR, device_name, resolve_device, synchronized_time
+from ..assets import docstring_prompts, heldout_prompts, load_default_pair, pair_fingerprint
+from ..runtime import (
+    BENCHMARKS_DIR, DOCSTRING_PROMPTS, HELDOUT_PROMPTS, REPO_ROOT, device_name, resolve_device, synchronized_time,
+)
 from ..spec_decode import SpecDecodeStats, speculative_generate
 from .bench_common import write_results
-from ..measure.decoding import measure_fast_decoding, phase_breakdown, speedups
-from .bench_fast_decode import fast_markdown
+from ..measure.decoding import PROMPT_SETS, measure_fast_decoding, phase_breakdown, prompt_set_of, records_of, speedups
+from .bench_fast_decode import PROMPT_SET_TEXT, fast_markdown
 from .bench_xs2 import layer_read_floor_ms, project_graphed, xs2_graphed_times
+
+# prompt set -> (its loader, its file)
+PROMPT_SET_SOURCES = {"heldout": (heldout_prompts, HELDOUT_PROMPTS), "docstring": (docstring_prompts, DOCSTRING_PROMPTS)}
+PROMPT_LENGTH = 256  # every prompt is cut to its last PROMPT_LENGTH tokens
 
 # ---------------------------------------------------------------------------
 # The shipped pair through the eager loop (speculative_generate)
 # ---------------------------------------------------------------------------
 
 
+def prompt_ids(tokenizer, prompt_set: str, n: int, max_tokens: int, device) -> list[torch.Tensor]:
+    """The first n prompts of ``prompt_set`` ("heldout" or "docstring"), each cut to its last max_tokens tokens,
+    (1, T) each."""
+    load = PROMPT_SET_SOURCES[prompt_set][0]
+    return [tokenizer(p["text"], return_tensors="pt")["input_ids"][:, -max_tokens:].to(device) for p in load()[:n]]
+
+
 def held_out(tokenizer, n: int, max_tokens: int, device) -> list[torch.Tensor]:
     """The first n held-out prompts, each cut to its last max_tokens tokens, (1, T) each."""
-    return [tokenizer(p["text"], return_tensors="pt")["input_ids"][:, -max_tokens:].to(device)
-            for p in heldout_prompts()[:n]]
+    return prompt_ids(tokenizer, "heldout", n, max_tokens, device)
 
 
 def measure_eager_loop(target, drafter, prompts, *, device, max_new_tokens: int, block_sizes, progress=print,
@@ -94,60 +118,101 @@ def measure_eager_loop(target, drafter, prompts, *, device, max_new_tokens: int,
 # ---------------------------------------------------------------------------
 
 
-def goal_check(records, block: int = 16) -> dict | None:
-    """The issue's goal at batch 1, block 16, graphs on: DFlash >= 3x target-only and ahead of prompt lookup."""
-    get = {(r["method"], r["block_size"]): r for r in records if r["batch"] == 1 and r["cuda_graphs"]}
+def goal_check(records, block: int = 16, prompt_set: str = "heldout") -> dict | None:
+    """The issue's goal at batch 1, block 16, graphs on, on one prompt set's records (a record without
+    ``prompt_set`` is a held-out one): DFlash >= 3x target-only and ahead of prompt lookup."""
+    get = {(r["method"], r["block_size"]): r for r in records_of(records, prompt_set)
+           if r["batch"] == 1 and r["cuda_graphs"]}
     base, dflash = get.get(("target_only", 1)), get.get(("dflash", block))
     lookup = [r for (m, _), r in get.items() if m == "prompt_lookup"]
     if not (base and dflash and lookup):
         return None
     best = max(lookup, key=lambda r: r["tokens_per_s"])
     x = dflash["tokens_per_s"] / base["tokens_per_s"]
-    return {"block_size": block, "dflash_over_target_only": round(x, 3), "goal_3x_met": x >= 3,
+    return {"prompt_set": prompt_set, "block_size": block, "dflash_over_target_only": round(x, 3), "goal_3x_met": x >= 3,
             "best_prompt_lookup_block": best["block_size"],
             "dflash_over_best_prompt_lookup": round(dflash["tokens_per_s"] / best["tokens_per_s"], 3),
             "ahead_of_prompt_lookup": dflash["tokens_per_s"] > best["tokens_per_s"]}
 
 
+def goals(result: dict) -> dict:
+    """{prompt set: goal_check of its records}, held-out first, for every set with the records the goal needs;
+    at the block of the result's (held-out) "goal", the run's largest block, else DFlash's largest in the records."""
+    blocks = [r["block_size"] for r in result.get("records", []) if r["method"] == "dflash"]
+    block = (result.get("goal") or {}).get("block_size") or max(blocks, default=16)
+    out = {s: goal_check(result.get("records", []), block, s) for s in PROMPT_SETS}
+    return {s: g for s, g in out.items() if g}
+
+
+def _leader(goal: dict) -> str:
+    x = goal["dflash_over_best_prompt_lookup"]
+    return "DFlash ahead" if goal["ahead_of_prompt_lookup"] else "level" if x == 1 else "prompt lookup ahead"
+
+
+def goal_lines(result: dict) -> list[str]:
+    """The goal, one line per prompt set, computed from the records."""
+    per_set = goals(result)
+    if not per_set:
+        return []
+    block = next(iter(per_set.values()))["block_size"]
+    lines = ["", f"**Goal (batch 1, block {block}, graphs on), per prompt set:**", ""]
+    for s, goal in per_set.items():
+        lines.append(f"- {PROMPT_SET_TEXT[s][0]} prompts: DFlash / target-only = {goal['dflash_over_target_only']:.2f}x "
+                     f"(goal >= 3x: {'met' if goal['goal_3x_met'] else 'NOT met'}); DFlash / best prompt lookup "
+                     f"(block {goal['best_prompt_lookup_block']}) = {goal['dflash_over_best_prompt_lookup']:.2f}x "
+                     f"({_leader(goal)}).")
+    return lines
+
+
 def gap_lines(result: dict) -> list[str]:
-    """Where the batch-1 speedup stops, from the phase graphs: the decode-only bound and what the clock adds."""
-    goal, phases = result.get("goal"), result.get("phases") or {}
-    d, t = phases.get("dflash"), phases.get("target_only")
-    rec = {(r["method"], r["block_size"]): r for r in result.get("records", []) if r["batch"] == 1 and r["cuda_graphs"]}
+    """Where the batch-1 speedup stops, from the phase graphs (held-out prompts): the decode-only bound and what
+    the clock adds; then, for every other prompt set, the bound its own tau gives at those step times."""
+    per_set, phases = goals(result), result.get("phases") or {}
+    goal, d, t = per_set.get("heldout"), phases.get("dflash"), phases.get("target_only")
+    records = result.get("records", [])
+    rec = {(r["method"], r["block_size"]): r for r in records_of(records, "heldout") if r["batch"] == 1 and r["cuda_graphs"]}
     if not (goal and d and t and ("dflash", d["block_size"]) in rec):
         return []
     step = lambda p: sum(p[f"{k}_ms_per_step"] for k in ("draft", "verify", "append", "accept"))  # noqa: E731
     tau = rec[("dflash", d["block_size"])]["mean_acceptance_length"]
     sd, st = step(d), step(t)
     overhead = d["draft_ms_per_step"] + d["append_ms_per_step"] + d["accept_ms_per_step"]
-    return ["", f"Why (GPU time per step, phase graphs): a DFlash step takes {sd:.3f} ms for tau = {tau:.2f} tokens, a "
-                f"target-only step {st:.3f} ms for 1 token, so decoding alone is bounded by tau x {st:.3f} / {sd:.3f} = "
+    lines = ["", f"Why (held-out prompts; GPU time per step, phase graphs): a DFlash step takes {sd:.3f} ms for tau = "
+                f"{tau:.2f} tokens, a target-only step {st:.3f} ms for 1 token, so decoding alone is bounded by tau x {st:.3f} / {sd:.3f} = "
                 f"{tau * st / sd:.2f}x. At 8.8 M parameters every kernel is latency-bound: verifying {d['block_size']} tokens "
                 f"costs {d['verify_ms_per_step'] / t['verify_ms_per_step']:.2f}x one token's forward, and drafting + context "
                 f"K/V + acceptance add {overhead:.3f} ms ({overhead / st:.2f} of a target-only step). 3x at this tau needs a "
                 f"DFlash step of at most {tau * st / 3:.3f} ms. The measured ratio ({goal['dflash_over_target_only']:.2f}x) "
                 "is lower still: each generation also runs an eager (not graphed) prefill of its prompt, a larger "
                 "share of DFlash's shorter decode."]
+    for s, other in per_set.items():
+        r = next((r for r in records_of(records, s) if r["method"] == "dflash" and r["block_size"] == d["block_size"]
+                  and r["batch"] == 1 and r["cuda_graphs"]), None)
+        if s == "heldout" or r is None:
+            continue
+        tau_s = r["mean_acceptance_length"]
+        lines += ["", f"On the {PROMPT_SET_TEXT[s][0]} prompts DFlash's tau is {tau_s:.2f} ({tau:.2f} held-out): at the "
+                      f"held-out step times above that bounds decoding at {tau_s:.2f} x {st:.3f} / {sd:.3f} = "
+                      f"{tau_s * st / sd:.2f}x; measured {other['dflash_over_target_only']:.2f}x."]
+    return lines
 
 
 def spec_decode_markdown(result: dict) -> str:
     lines = ["# Speculative decoding speed", ""]
-    lines += fast_markdown(result.get("records", []), result.get("phases"), n_prompts=result["n_prompts"],
-                           max_new_tokens=result["max_new_tokens"])
-    goal = result.get("goal")
-    if goal:
-        lines += ["", f"**Goal (batch 1, block {goal['block_size']}, graphs on):** DFlash / target-only = "
-                      f"{goal['dflash_over_target_only']:.2f}x (goal >= 3x: {'met' if goal['goal_3x_met'] else 'NOT met'}); "
-                      f"DFlash / best prompt lookup (block {goal['best_prompt_lookup_block']}) = "
-                      f"{goal['dflash_over_best_prompt_lookup']:.2f}x ({'ahead' if goal['ahead_of_prompt_lookup'] else 'behind'})."]
+    sets = result.get("prompt_sets") or {}  # older results: one (held-out) set, measured with the run's settings
+    lines += fast_markdown(result.get("records", []), result.get("phases"),
+                           n_prompts={s: sets.get(s, {}).get("n_prompts", result["n_prompts"]) for s in PROMPT_SETS},
+                           max_new_tokens={s: sets.get(s, {}).get("max_new_tokens", result["max_new_tokens"])
+                                           for s in PROMPT_SETS})
+    lines += goal_lines(result)
     lines += gap_lines(result)
     proj = result.get("projection_graphed")
     if proj and proj.get("speedups"):
         g = proj["timings"]
         lines += ["", "## Laguna-XS.2 projection from graphed timings", "",
                   "speedup(B) = tau(B) x T_target(1) / (T_target(B) + T_drafter(B)). Assumptions: batch 1; tau = the "
-                  "shipped pair's measured mean acceptance length (batch 1, graphs on, the prompts above), not XS.2's own "
-                  "drafter's; T_target: transformers' LagunaConfig defaults (hidden 2048, 48 heads / 8 KV x 128, 256 experts "
+                  "shipped pair's measured mean acceptance length (batch 1, graphs on, the held-out prompts above), not "
+                  "XS.2's own drafter's; T_target: transformers' LagunaConfig defaults (hidden 2048, 48 heads / 8 KV x 128, 256 experts "
                   f"top-8, MoE width 512, vocab 100352), random bf16 weights (routing of random weights, not a trained "
                   f"model's), every layer sparse and full attention, a {g['context']}-token KV cache, experts via grouped "
                   "GEMMs, on the static path captured as one CUDA graph; built with 2 and 4 layers and extrapolated per "
@@ -196,6 +261,24 @@ def _previous(out: Path, stem: str) -> dict:
     return json.loads(path.read_text()) if path.is_file() else {}
 
 
+def kept_records(last: dict, *, pair: dict, graphs, prompt_sets) -> tuple[list[dict], dict]:
+    """The last run's records this run does not re-measure (a graphs setting not in ``graphs``, a prompt set
+    not in ``prompt_sets``), when it timed the same ``pair``, each with its ``prompt_set`` (none: "heldout");
+    and {prompt set: its settings} of the sets not re-measured that kept records (the last run's "prompt_sets",
+    or for a result without them its n_prompts and max_new_tokens, which were the held-out set's)."""
+    if last.get("pair") != pair:
+        return [], {}
+    kept = [dict(r, prompt_set=prompt_set_of(r)) for r in last.get("records", [])
+            if r["cuda_graphs"] not in graphs or prompt_set_of(r) not in prompt_sets]
+    settings = {}
+    for s in PROMPT_SETS:
+        before = (last.get("prompt_sets") or {}).get(s) or (
+            {"n_prompts": last.get("n_prompts"), "max_new_tokens": last.get("max_new_tokens")} if s == "heldout" else None)
+        if s not in prompt_sets and before and records_of(kept, s):
+            settings[s] = before
+    return kept, settings
+
+
 def spec_decode(args) -> int:
     """The `spec-decode` subcommand."""
     device = resolve_device(args.device, caller="bench spec-decode")
@@ -204,35 +287,55 @@ def spec_decode(args) -> int:
     max_new = args.max_new_tokens or (32 if args.quick else 96)
     batches = args.batches or ([1, 4] if args.quick else [1, 8, 32])
     graphs = {"both": (True, False), "on": (True,), "off": (False,)}[args.graphs] if device.type == "cuda" else (False,)
-    print(f"spec-decode on {device_name(device)}: blocks {blocks}, batches {batches}, {n_prompts} prompts x {max_new} tokens",
-          flush=True)
+    sets = PROMPT_SETS if args.prompt_set == "both" else (args.prompt_set,)
+    print(f"spec-decode on {device_name(device)}: blocks {blocks}, batches {batches}, prompt sets {', '.join(sets)}, "
+          f"{n_prompts} prompts each x {max_new} tokens", flush=True)
     log = lambda s: print(s, flush=True)  # noqa: E731
     stem = "spec_decode_quick" if args.quick else "spec_decode"
     out = Path(args.out)
-    result = {"n_prompts": n_prompts, "max_new_tokens": max_new, "records": [], "pair": pair_fingerprint(),
-              "command": "python -m dflash_lab.tools.bench spec-decode" + (" --quick" if args.quick else "")}
+    flags = (" --quick" if args.quick else "") + ("" if args.prompt_set == "both" else f" --prompt-set {args.prompt_set}")
+    result = {"n_prompts": n_prompts, "max_new_tokens": max_new, "records": [], "prompt_sets": {},
+              "pair": pair_fingerprint(), "command": "python -m dflash_lab.tools.bench spec-decode" + flags}
     last = _previous(out, stem)
     previous = last.get("shipped_pair") or []  # eager-loop rows (the key chapter 3 reads)
     previous_projection = last.get("projection_eager") or (last.get("projection") if "shipped_pair" in last else None)
-    kept = [r for r in last.get("records", []) if r["cuda_graphs"] not in graphs  # the setting not re-measured...
-            and last.get("pair") == result["pair"]]  # ...on the same pair only
+    same_pair = last.get("pair") == result["pair"]
+    kept, result["prompt_sets"] = kept_records(last, pair=result["pair"], graphs=graphs, prompt_sets=sets)
 
     def save():  # after every section: a timeout keeps what was measured
         return write_results(out, stem, result, spec_decode_markdown(result))
 
     target, drafter, tokenizer = load_default_pair(device=device)
     drafters = {"paper": drafter, "poolside": load_default_pair(device=device, drafter="poolside")[1]}
-    prompts = held_out(tokenizer, n_prompts, 256, device)
-    records = measure_fast_decoding(target, drafters, [p[0] for p in prompts], batches=batches, block_sizes=blocks,
-                                    graphs=graphs, max_new_tokens=max_new, progress=log,
-                                    on_record=lambda rs: (result.update(records=kept + list(rs)), save()))
-    records = sorted(kept + records, key=lambda r: (r["batch"], not r["cuda_graphs"]))
+    measured = []
+    for s in sets:  # every set with the same prompt count, prompt length and new tokens
+        prompts = prompt_ids(tokenizer, s, n_prompts, PROMPT_LENGTH, device)
+        result["prompt_sets"][s] = {"n_prompts": len(prompts), "max_new_tokens": max_new,
+                                    "file": str(PROMPT_SET_SOURCES[s][1].relative_to(REPO_ROOT))}
+        log(f"{PROMPT_SET_TEXT[s][0]} prompts ({len(prompts)}):")
+
+        def on_record(rs, s=s):  # tag and save after every configuration
+            for r in rs:
+                r["prompt_set"] = s
+            result.update(records=kept + measured + list(rs))
+            save()
+
+        measured += measure_fast_decoding(target, drafters, [p[0] for p in prompts], batches=batches, block_sizes=blocks,
+                                          graphs=graphs, max_new_tokens=max_new, progress=log, on_record=on_record)
+        for r in measured:
+            r.setdefault("prompt_set", s)
+    records = sorted(kept + measured, key=lambda r: (PROMPT_SETS.index(r["prompt_set"]), r["batch"], not r["cuda_graphs"]))
     result.update(records=records, speedups=speedups(records), goal=goal_check(records, max(blocks)))
+    result["goals"] = goals(result)
     save()
-    result["phases"] = phase_breakdown(target, drafters, [p[0] for p in prompts[:8]], block_size=max(blocks),
-                                       max_new_tokens=max_new)
+    heldout = prompt_ids(tokenizer, "heldout", n_prompts, PROMPT_LENGTH, device) if "heldout" in sets or args.eager_loop else []
+    if "heldout" in sets:  # the phases: held-out prompts only
+        result["phases"] = phase_breakdown(target, drafters, [p[0] for p in heldout[:8]], block_size=max(blocks),
+                                           max_new_tokens=max_new)
+    elif same_pair and last.get("phases"):
+        result["phases"] = last["phases"]
     save()
-    taus = {r["block_size"]: r["mean_acceptance_length"] for r in records
+    taus = {r["block_size"]: r["mean_acceptance_length"] for r in records_of(records, "heldout")
             if r["method"] == "dflash" and r["batch"] == 1 and r["cuda_graphs"]}
     if args.no_projection and last.get("projection_graphed", {}).get("timings"):  # the last run's timings, new tau
         timings = last["projection_graphed"]["timings"]
@@ -250,7 +353,7 @@ def spec_decode(args) -> int:
         save()
     if args.eager_loop:
         result["shipped_pair"] = measure_eager_loop(
-            target, drafter, prompts[:8], device=device, max_new_tokens=max_new, block_sizes=blocks, progress=log,
+            target, drafter, heldout[:8], device=device, max_new_tokens=max_new, block_sizes=blocks, progress=log,
             on_row=lambda rows: (result.update(shipped_pair=list(rows)), save()))
     elif previous:
         result.update(shipped_pair=previous, shipped_pair_carried_over=True)
@@ -263,19 +366,26 @@ def spec_decode(args) -> int:
 
 
 def add_command(subparsers) -> None:
-    p = subparsers.add_parser("spec-decode", help="tokens/s of the shipped pair (graphed, batched), projected to Laguna-XS.2")
+    p = subparsers.add_parser("spec-decode", help="tokens/s of the shipped pair (graphed, batched) on the held-out and "
+                                                  "docstring-first prompts, projected to Laguna-XS.2")
     p.add_argument("--quick", action="store_true", help="few prompts, short generations")
     p.add_argument("--block-sizes", type=int, nargs="+", default=[4, 8, 16])
-    p.add_argument("--batches", type=int, nargs="+", help="batch sizes (default 1 8 32)")
-    p.add_argument("--prompts", type=int, help="held-out prompts (default 32)")
-    p.add_argument("--max-new-tokens", type=int, help="tokens per prompt (default 96)")
+    p.add_argument("--batches", type=int, nargs="+", help="batch sizes (default 1 8 32; --quick: 1 4)")
+    p.add_argument("--prompts", type=int, help="prompts per prompt set (default 32; --quick: 8)")
+    p.add_argument("--max-new-tokens", type=int, help="tokens per prompt (default 96; --quick: 32)")
+    p.add_argument("--prompt-set", choices=["heldout", "docstring", "both"], default="both",
+                   help="which prompts to time: the held-out ones (checkpoints/heldout_prompts.json), the "
+                        "docstring-first ones (checkpoints/docstring_prompts.json) or both, each with --prompts prompts "
+                        "cut to their last 256 tokens (default both); the other set's rows are kept from the last run "
+                        "of the same pair. The phases, the projection and --eager-loop use the held-out prompts")
     p.add_argument("--projection-context", type=int, default=2048, help="KV-cache length of the projection")
     p.add_argument("--drafter-layers", type=int, default=5, help="layers of the projected XS.2 drafter")
     p.add_argument("--no-projection", action="store_true",
                    help="skip timing the Laguna-XS.2 projection (GPU only); the last run's timings are reused with the new tau")
     p.add_argument("--graphs", choices=["both", "on", "off"], default="both",
                    help="CUDA graphs on, off or both (GPU); rows of the other setting are kept from the last run")
-    p.add_argument("--eager-loop", action="store_true", help="also time speculative_generate (slow on a GPU)")
+    p.add_argument("--eager-loop", action="store_true",
+                   help="also time speculative_generate on held-out prompts (slow on a GPU)")
     p.add_argument("--device", help="default: $DFLASH_LAB_DEVICE, else cuda when present")
     p.add_argument("--out", default=str(BENCHMARKS_DIR), help="output folder (default benchmarks/)")
     p.set_defaults(func=spec_decode)
