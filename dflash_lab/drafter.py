@@ -30,7 +30,7 @@ from torch import nn
 
 from .config import DFlashDrafterConfig
 from .context_kv import compute_context_kv
-from .layers import RMSNorm, TorchOps, apply_rope, gqa_attention, rope_tables
+from .layers import RMSNorm, TorchOps, additive_mask, apply_rope, gqa_attention, grouped_mask, rope_tables
 
 # ---------------------------------------------------------------------------
 # Layers (Laguna-flavoured)
@@ -59,6 +59,7 @@ class DFlashAttention(nn.Module):
             self.g_proj = nn.Linear(cfg.hidden_size, self.num_heads if self.gate_per_head else self.q_size, bias=False)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.stacked: dict | None = None  # the drafter's stacked-weight cache (ops.linears may keep qkv|g there)
 
     def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """K (normed, rotated) and V of already-normalised inputs x (..., H)."""
@@ -70,13 +71,14 @@ class DFlashAttention(nn.Module):
     def forward(self, x, cos, sin, keys_values, mask, ops=TorchOps):
         """x: (B, Q, H) normalised block states; keys_values(k, v) -> all keys/values (B, S, nkv, hd);
         mask: (B, Q, S) bool, True where a query sees a key."""
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        qkv, *g = ops.linears(x, [self.qkv_proj, self.g_proj] if self.gating else [self.qkv_proj], self.stacked)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = ops.norm_rope(self.q_norm, q, cos, sin, self.num_heads, self.head_dim)  # (B, Q, nh, hd)
         k = ops.norm_rope(self.k_norm, k, cos, sin, self.num_kv_heads, self.head_dim)  # (B, Q, nkv, hd)
         keys, values = keys_values(k, v.unflatten(-1, (self.num_kv_heads, self.head_dim)))  # (B, S, nkv, hd)
         out = gqa_attention(q, keys.transpose(1, 2), values.transpose(1, 2), mask, self.head_dim**-0.5)  # (B, Q, nh*hd)
         if self.gating:
-            gate = F.softplus(self.g_proj(x).float()).to(out.dtype)
+            gate = F.softplus(g[0].float()).to(out.dtype)
             out = out.unflatten(-1, (self.num_heads, self.head_dim))  # (B, Q, nh, hd)
             out = (out * (gate.unsqueeze(-1) if self.gate_per_head else gate.unflatten(-1, (self.num_heads, self.head_dim))))
             out = out.flatten(-2)
@@ -91,9 +93,11 @@ class DFlashMLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.stacked: dict | None = None  # the drafter's stacked-weight cache (ops.linears may keep gate|up there)
 
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x, ops=TorchOps):
+        gate, up = ops.linears(x, [self.gate_proj, self.up_proj], self.stacked)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DFlashDecoderLayer(nn.Module):
@@ -108,7 +112,7 @@ class DFlashDecoderLayer(nn.Module):
 
     def forward(self, h, cos, sin, keys_values, mask, ops=TorchOps):
         h = h + self.self_attn(ops.norm(self.input_layernorm, h), cos, sin, keys_values, mask, ops)
-        return h + self.mlp(ops.norm(self.post_attention_layernorm, h))
+        return h + self.mlp(ops.norm(self.post_attention_layernorm, h), ops)
 
 
 # ---------------------------------------------------------------------------
@@ -227,7 +231,8 @@ class SlotKV:
         start = positions[:, :1, None]  # (B, 1, 1): t, the context is slots < t
         k_pos = self.slots[None, None, :]  # (1, 1, S): slot == position
         own = (k_pos >= start) & (k_pos < start + Q)
-        return visible_keys(positions[:, :, None], k_pos, start, k_pos < start, own, causal=causal, window=window)
+        visible = visible_keys(positions[:, :, None], k_pos, start, k_pos < start, own, causal=causal, window=window)
+        return additive_mask(visible, self.k.dtype)  # 0 / -inf: SDPA would convert a bool mask in every layer
 
 
 # ---------------------------------------------------------------------------
@@ -259,6 +264,8 @@ class DFlashLagunaDrafter(nn.Module):
         # its context-K/V buffers once after loading (context_kv.build_context_kv_buffers). Shared
         # by with_window views; dropped whenever the weights may change (see refresh_context_kv_buffers).
         self.context_kv_buffers: dict = {}
+        for layer in self.layers:  # the fast path's ops.linears keep qkv|g and gate|up stacked here too
+            layer.self_attn.stacked = layer.mlp.stacked = self.context_kv_buffers
         self.register_load_state_dict_post_hook(lambda module, incompatible: module.refresh_context_kv_buffers())
         self.reset_parameters()
 
@@ -344,7 +351,7 @@ class DFlashLagunaDrafter(nn.Module):
                       context_positions (N,) or (B, N) — or instead ``kv``, a K/V store
                       (``ConcatKV`` or ``SlotKV``)
         block_size:   tokens per block (default: Q, one block)
-        mask:         (B, Q, keys) bool, default ``kv.mask`` with vLLM's causality and ``self.window``
+        mask:         (B, Q, keys) bool or additive, default ``kv.mask`` with vLLM's causality and ``self.window``
         ops:          how norms run (``layers.TorchOps``; the fast path passes one-kernel versions)
         Returns (B, Q, H), after the final norm; feed to the target's lm_head.
         """
@@ -354,6 +361,8 @@ class DFlashLagunaDrafter(nn.Module):
             raise ValueError(f"context K/V hold {kv.k.shape[0]} layers, the drafter has {len(self.layers)}")
         if mask is None:
             mask = kv.mask(positions, block_size or positions.shape[1], causal=self.config.is_causal, window=self.window)
+        groups = self.config.num_attention_heads // self.config.num_key_value_heads
+        mask = grouped_mask(mask, groups, *noise_embeds.shape[:2])  # once, for every layer
         cos, sin = rope_tables(self.config, positions, noise_embeds.dtype)
         h = noise_embeds
         for i, layer in enumerate(self.layers):

@@ -78,11 +78,54 @@ class TorchOps:
         """A per-head norm then RoPE: x (..., heads * head_dim) -> (..., heads, head_dim)."""
         return apply_rope(module(x.unflatten(-1, (heads, head_dim))), cos, sin)
 
+    @staticmethod
+    def linears(x: torch.Tensor, layers, stacked: dict | None = None) -> list[torch.Tensor]:
+        """Several ``nn.Linear`` layers applied to the same x, one GEMM each (``stacked`` unused)."""
+        return [layer(x) for layer in layers]
+
+
+def stacked_linears(x: torch.Tensor, layers, stacked: dict | None) -> list[torch.Tensor]:
+    """Several ``nn.Linear`` layers applied to the same x in ONE GEMM: their weights (and biases)
+    concatenated once and kept in ``stacked`` under (the layers, device, dtype).
+
+    ``stacked`` must be a dict that is emptied whenever the weights may change (the drafter's
+    ``context_kv_buffers``, see ``DFlashLagunaDrafter.refresh_context_kv_buffers``); with None,
+    or under autograd, the layers run one by one (a concatenated copy would cut the gradient).
+    """
+    if stacked is None or (torch.is_grad_enabled() and any(layer.weight.requires_grad for layer in layers)):
+        return TorchOps.linears(x, layers)
+    key = ("linears", *layers, x.device, x.dtype)
+    if key not in stacked:
+        w = torch.cat([layer.weight for layer in layers]).to(device=x.device, dtype=x.dtype)
+        b = None
+        if any(layer.bias is not None for layer in layers):
+            b = torch.cat([layer.bias if layer.bias is not None else layer.weight.new_zeros(layer.out_features)
+                           for layer in layers]).to(device=x.device, dtype=x.dtype)
+        stacked[key] = (w, b, [layer.out_features for layer in layers])
+    w, b, sizes = stacked[key]
+    return list(F.linear(x, w, b).split(sizes, dim=-1))
+
+
+def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """bool mask (True = visible) -> 0 / -inf in ``dtype`` (every row has a visible key)."""
+    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))
+
+
+def grouped_mask(mask: torch.Tensor, groups: int, batch: int, queries: int) -> torch.Tensor:
+    """(B or 1, Q or 1, S) mask -> (batch, 1, groups * queries, S), the layout ``gqa_attention`` attends with.
+
+    ``gqa_attention`` expands a 3-D mask itself, one copy per call; a forward that attends
+    with one mask in every layer builds this once and passes it instead.
+    """
+    S = mask.shape[-1]
+    return mask[:, None, None].expand(batch, 1, groups, queries, S).reshape(batch, 1, groups * queries, S)
+
 
 def gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
     """Attention of q (B, Q, H, hd) over k/v (B, nkv, S, hd) -> (B, Q, H*hd).
 
-    mask (B, Q, S): bool (True = visible) or additive (0 / -inf); every row sees a key.
+    mask (B, Q, S) (B and Q may be 1: broadcast), or ``grouped_mask``'s (B, 1, g*Q, S): bool (True = visible) or additive
+    (0 / -inf); every row sees a key.
     The g = H / nkv query heads that share a KV head are folded into the query axis,
     (B, nkv, g*Q, hd), so SDPA's fused kernels run on the KV heads as they are (no repeat
     of K/V, no enable_gqa fallback to the math kernel).
@@ -91,7 +134,6 @@ def gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
     nkv = k.shape[1]
     g = H // nkv
     qg = q.view(B, Q, nkv, g, hd).permute(0, 2, 3, 1, 4).reshape(B, nkv, g * Q, hd)  # head h = kv h//g, member h%g
-    S = mask.shape[-1]
-    m = mask[:, None, None].expand(B, 1, g, Q, S).reshape(B, 1, g * Q, S)
+    m = mask if mask.dim() == 4 else grouped_mask(mask, g, B, Q)
     out = F.scaled_dot_product_attention(qg, k, v, attn_mask=m, scale=scale)  # (B, nkv, g*Q, hd)
     return out.view(B, nkv, g, Q, hd).permute(0, 3, 1, 2, 4).reshape(B, Q, H * hd)

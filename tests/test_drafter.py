@@ -114,6 +114,38 @@ def test_an_in_place_edit_needs_a_refresh_as_in_vllm(make_drafter):
     assert not torch.allclose(drafter.precompute_context_kv(states, positions, path="folded")[0], before[0])
 
 
+def _stacked_keys(drafter):
+    return [k for k in drafter.context_kv_buffers if k[0] == "linears"]
+
+
+def test_the_fast_paths_projections_run_as_one_gemm_and_follow_weight_updates(make_drafter):
+    # The static path passes ops=triton_ops, whose ``linears`` runs qkv|g and gate|up as one GEMM
+    # each over weights concatenated once, kept with the other stacked buffers: the same hidden
+    # states as one GEMM per projection, rebuilt after a refresh, never used under autograd.
+    from dflash_lab.layers import TorchOps
+    from dflash_lab.spec_decode.fast import triton_ops
+
+    drafter = make_drafter(2)
+    block, positions, k, v, cpos = draft_block(drafter)
+    with torch.no_grad():
+        plain = drafter(block, positions, k, v, cpos, ops=TorchOps)
+        fused = drafter(block, positions, k, v, cpos, ops=triton_ops)
+    assert torch.allclose(fused, plain, atol=1e-5, rtol=1e-5)
+    assert len(_stacked_keys(drafter)) == 2 * len(drafter.layers)  # qkv|g and gate|up per layer
+    edit_weights_in_place(drafter)
+    drafter.refresh_context_kv_buffers()
+    assert not _stacked_keys(drafter)
+    with torch.no_grad():
+        edited = drafter(block, positions, k, v, cpos, ops=TorchOps)
+        assert torch.allclose(drafter(block, positions, k, v, cpos, ops=triton_ops), edited, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(edited, plain, atol=1e-3)  # the edit mattered
+    drafter.train()
+    drafter(block, positions, k, v, cpos, ops=triton_ops).sum().backward()
+    assert not _stacked_keys(drafter)  # a concatenated copy would cut the gradient
+    assert drafter.layers[0].self_attn.g_proj.weight.grad is not None
+    assert drafter.layers[0].mlp.up_proj.weight.grad is not None
+
+
 def test_agreement_reports_the_worse_of_k_and_v_and_applies_the_tolerance():
     k, v = torch.ones(2, 3, 1, 4), torch.zeros(2, 3, 1, 4)
     same = context_kv_agreement((k, v), (k, v))

@@ -138,6 +138,28 @@ def test_phase_times_cover_every_phase(shipped):
     assert t["steps"] >= 1 and all(t[f"{p}_s"] > 0 for p in ("draft", "verify", "append", "accept"))
 
 
+def test_prompts_are_prefilled_padded_to_a_step_and_the_pads_are_never_seen(small_pair):
+    # Each batch is prefilled at its longest prompt rounded up to PREFILL_STEP (one graph per
+    # width on CUDA). Lengths on both sides of a step boundary, alone and together, give
+    # target.generate's tokens and the eager loop's counts: no pad's K/V is ever attended.
+    from dflash_lab.spec_decode.fast.decoder import PREFILL_STEP
+
+    target, drafter = small_pair
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(10, 500, (n,), generator=g) for n in (PREFILL_STEP - 1, PREFILL_STEP, PREFILL_STEP + 1, 130)]
+    dec = FastDecoder(target, drafter, batch=4, block_size=8, capacity=130 + 24, cuda_graphs=False)
+    together = dec.generate(prompts, max_new_tokens=24)
+    assert set(dec.prefills) == {dec.prefill_width(130)}
+    for p, r in zip(prompts, together):
+        alone = dec.generate([p], max_new_tokens=24)[0]
+        expected = target.generate(p[None], max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0)
+        eager = speculative_generate(target, drafter, p[None], max_new_tokens=24, block_size=8)
+        assert torch.equal(r.output_ids, expected) and torch.equal(alone.output_ids, expected)
+        assert counters(r.stats) == counters(alone.stats) == counters(eager.stats)
+    assert sorted(dec.prefills) == [PREFILL_STEP, 2 * PREFILL_STEP, min(3 * PREFILL_STEP, dec.tgt.capacity)]
+    assert dec.prefill_width(10_000) == dec.tgt.capacity  # never past the cache
+
+
 def test_too_long_a_generation_is_refused_by_name(small_pair):
     target, drafter = small_pair
     with pytest.raises(ValueError, match="max_position_embeddings"):

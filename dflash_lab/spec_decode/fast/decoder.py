@@ -48,6 +48,7 @@ from ..stats import SpecDecodeStats
 
 PHASES = ("draft", "verify", "append", "accept")  # the order of one step
 MAX_STOP_TOKENS = 8
+PREFILL_STEP = 64  # prompts are right-padded to a multiple of this: one prefill graph per padded length
 
 
 class FastDecoder:
@@ -90,12 +91,20 @@ class FastDecoder:
         self.block_pos, self.drafts, self.argmax = z(batch, block_size), z(batch, K), z(batch, block_size)
         self.n_draft = torch.full((batch,), K, dtype=torch.long, device=self.device)  # drafts to verify (ngram: 0 .. K)
         self.aux = None
+        # prefill inputs (device): right-padded prompts, and lengths | live rows | max_new_tokens | stop ids
+        self.prompt_ids = z(batch, S)
+        self.slot_positions = torch.arange(S, device=self.device).expand(batch, S)
+        self.meta = z(2 * batch + 1 + MAX_STOP_TOKENS)
+        self._host_meta = torch.zeros(self.meta.shape, dtype=torch.long, pin_memory=self.device.type == "cuda")
         # what each step verified (device); SpecDecodeStats counts it at the end (last column: a dump)
         self.n_steps, self.n_drafts = z(batch), z(batch)
         self.draft_log, self.accepted_log = z(batch, capacity + 2), z(batch, capacity + 2)
 
         pool = new_pool(self.device)
-        graphed = lambda fn: GraphedStep(fn, enabled=cuda_graphs, device=self.device, reset=self._reset, pool=pool)  # noqa: E731
+        def graphed(fn, reset=self._reset):
+            return GraphedStep(fn, enabled=cuda_graphs, device=self.device, reset=reset, pool=pool)
+        self._graphed = graphed
+        self.prefills: dict[int, GraphedStep] = {}  # padded prompt length -> its prefill, captured on first use
         self.step = graphed(self._step)
         self.step_plain = graphed(self._step_without_drafts) if self.method == "ngram" else None
         noop = {"append"} if self.method != "dflash" else set()  # an empty graph cannot be captured
@@ -163,7 +172,35 @@ class FastDecoder:
         self._verify(1)
         self._accept(1)
 
-    # --- prefill (eager: one call per batch) --------------------------------------
+    # --- prefill (one graph per padded prompt length) ------------------------------
+    def _prefill(self, width: int) -> None:
+        """The prefill of the prompts in ``prompt_ids[:, :width]``, entirely on the device (graphable).
+
+        Reads ``meta`` (lengths | live rows | max_new_tokens | stop ids, written by ``prefill``).
+        Prompts are right-padded to ``width``: a pad token's K/V lands at a slot >= its prompt's
+        length, which the first verification overwrites before any query can see it (as the
+        rejected drafts of a step), and only each prompt's last position's logits are kept.
+        """
+        self._reset()
+        b = self.batch
+        ids, positions = self.prompt_ids[:, :width], self.slot_positions[:, :width]
+        length, live, max_new = self.meta[:b], self.meta[b:2 * b].bool(), self.meta[2 * b]
+        self.stop_ids.copy_(self.meta[2 * b + 1:])
+        logits, aux = self.tgt.forward(ids, positions, last_index=length - 1)
+        if self.method == "dflash":
+            self.dft.append(aux, positions)
+        first = logits.argmax(dim=-1)
+        self.tokens[:, :width].copy_(ids)
+        self.tokens.scatter_(1, length[:, None], first[:, None])
+        self.pos.copy_(length)
+        self.last.copy_(first)
+        self.limit.copy_(length + max_new - 1)
+        self.active.copy_(live & (self.pos < self.limit) & ~(first[:, None] == self.stop_ids).any(-1))
+
+    def prefill_width(self, longest: int) -> int:
+        """The padded length a batch whose longest prompt has ``longest`` tokens is prefilled at."""
+        return min(round_up(longest, PREFILL_STEP), self.tgt.capacity)
+
     def prefill(self, prompts: list[torch.Tensor], max_new_tokens: int, stop_token_ids=()) -> None:
         n = len(prompts)
         lengths = [int(p.shape[-1]) for p in prompts]
@@ -172,28 +209,28 @@ class FastDecoder:
             raise ValueError(f"{n} prompts, but this decoder was built for batch {self.batch}")
         if T + max_new_tokens > self.capacity:
             raise ValueError(f"prompt ({T}) + max_new_tokens ({max_new_tokens}) exceeds the decoder's capacity {self.capacity}")
-        self._reset()
-        self.host_steps = 0  # batch steps of this generation
-        ids = torch.zeros((self.batch, T), dtype=torch.long, device=self.device)  # right-padded; pads are never seen
-        for b, p in enumerate(prompts):
-            ids[b, :lengths[b]] = p.reshape(-1)
-        length = torch.tensor(lengths + [1] * (self.batch - n), device=self.device)
-        positions = torch.arange(T, device=self.device).expand(self.batch, T)
-        logits, aux = self.tgt.forward(ids, positions, last_index=length - 1)
-        if self.method == "dflash":
-            self.dft.append(aux, positions)
-        first = logits.argmax(dim=-1)
-        self.tokens[:, :T] = ids
-        self.tokens.scatter_(1, length[:, None], first[:, None])
-        self.pos.copy_(length)
-        self.last.copy_(first)
-        self.limit.copy_(length + max_new_tokens - 1)
         stops = sorted(stop_token_ids)
         if len(stops) > MAX_STOP_TOKENS:
             raise ValueError(f"at most {MAX_STOP_TOKENS} stop_token_ids, got {len(stops)}")
-        self.stop_ids.fill_(-1)[:len(stops)] = torch.tensor(stops, dtype=torch.long)  # in place: graphs read this buffer
-        live = torch.arange(self.batch, device=self.device) < n
-        self.active.copy_(live & (self.pos < self.limit) & ~(first[:, None] == self.stop_ids).any(-1))
+        self.host_steps = 0  # batch steps of this generation
+        # everything the prefill graph reads, in two copies: the prompts (right-padded) and one meta vector
+        self.prompt_ids.zero_()
+        for b, p in enumerate(prompts):
+            self.prompt_ids[b, :lengths[b]].copy_(p.reshape(-1))
+        meta = self._host_meta
+        meta.zero_()
+        meta[:self.batch] = 1  # unused rows: a 1-token "prompt", never live
+        meta[:n] = torch.tensor(lengths)
+        meta[self.batch:self.batch + n] = 1
+        meta[2 * self.batch] = max_new_tokens
+        meta[2 * self.batch + 1:] = -1  # -1: no stop token
+        if stops:
+            meta[2 * self.batch + 1:2 * self.batch + 1 + len(stops)] = torch.tensor(stops)
+        self.meta.copy_(meta)
+        width = self.prefill_width(T)
+        if width not in self.prefills:  # first batch this long: warm up and capture its graph
+            self.prefills[width] = self._graphed(lambda: self._prefill(width), reset=None)
+        self.prefills[width]()
         self._lengths = lengths
 
     # --- decoding -----------------------------------------------------------------

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ...layers import gqa_attention
+from ...layers import additive_mask, gqa_attention, grouped_mask
 from . import triton_ops
 
 MOE_IMPLEMENTATIONS = ("auto", "grouped", "dense")
@@ -82,11 +82,6 @@ def round_up(n: int, multiple: int) -> int:
 # ---------------------------------------------------------------------------
 # Attention over a static cache
 # ---------------------------------------------------------------------------
-
-
-def additive_mask(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """(B, Q, S) bool -> (B, Q, S) 0 / -inf in ``dtype`` (every row has a visible key)."""
-    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))
 
 
 def write_slots(cache: torch.Tensor, new: torch.Tensor, positions: torch.Tensor) -> None:
@@ -224,7 +219,8 @@ class StaticTarget:
         h = m.embed_tokens(ids)
         rope = {t: m.rotary_emb(h, positions, t) for t in set(self.layer_types)}  # (B, Q, rd) cos, sin
         windows = {lay.window for lay in self.layers}
-        bias = {w: self._bias(positions, w) for w in windows}
+        groups = self.config.num_attention_heads // self.config.num_key_value_heads
+        bias = {w: grouped_mask(self._bias(positions, w), groups, *ids.shape) for w in windows}  # once per forward, every layer
         captured = {}
         for i, lay in enumerate(self.layers):
             cos, sin = rope[lay.layer_type]

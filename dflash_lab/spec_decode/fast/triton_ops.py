@@ -14,7 +14,9 @@ to the input dtype before the weight, RoPE's products and sum each rounded to th
 input dtype. The sum inside the mean runs in another order than torch's, so
 results agree to rounding (float32: ~1e-7 relative), not bit for bit.
 
-``enabled(x)``: CUDA tensors with Triton installed, unless DFLASH_LAB_FUSED=0
+``linears`` (several projections of one input as one GEMM over weights concatenated once,
+``layers.stacked_linears``) runs on every device; the kernels above only where ``enabled(x)``:
+CUDA tensors with Triton installed, unless DFLASH_LAB_FUSED=0
 (the switch ``context_kv_kernel`` reads). Elsewhere ``norm`` / ``norm_rope`` fall back to
 ``layers.TorchOps``: this module can be passed as ``ops=`` wherever TorchOps can.
 """
@@ -23,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from ...layers import TorchOps
+from ...layers import TorchOps, stacked_linears
 from . import context_kv_kernel as kernels
 
 try:  # Triton is a GPU-side extra
@@ -131,6 +133,9 @@ def head_norm_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin
             HEADS=heads, HD=head_dim, ROT=rot, BLOCK_T=block_t, BLOCK_HALF=triton.next_power_of_2(rot // 2),
             BLOCK_PASS=triton.next_power_of_2(max(head_dim - rot, 1)), num_warps=4)
     return out.view(*lead, heads, head_dim)
+
+
+linears = stacked_linears  # several projections of one input in one GEMM (on every device)
 
 
 def norm(module, x: torch.Tensor) -> torch.Tensor:
