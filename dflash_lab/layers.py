@@ -31,9 +31,21 @@ class RMSNorm(nn.Module):
         return self.weight * rms_normalize(x, self.eps)
 
 
+_INV_FREQ: dict = {}
+
+
 def rope_inv_freq(rotary_dim: int, theta: float, device=None) -> torch.Tensor:
-    """RoPE frequencies theta^(-2i / rotary_dim), float32, (rotary_dim / 2,)."""
-    return 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, device=device, dtype=torch.float32) / rotary_dim))
+    """RoPE frequencies theta^(-2i / rotary_dim), float32, (rotary_dim / 2,).
+
+    Computed once per (rotary_dim, theta, device) and shared (read only): every forward
+    needs them, and a graphed decode step would otherwise recompute them in four kernels.
+    """
+    key = (rotary_dim, float(theta), str(torch.device(device) if device is not None else "cpu"))
+    if key not in _INV_FREQ:
+        with torch.inference_mode(False), torch.no_grad():
+            steps = torch.arange(0, rotary_dim, 2, device=device, dtype=torch.float32) / rotary_dim
+            _INV_FREQ[key] = 1.0 / (theta ** steps)
+    return _INV_FREQ[key]
 
 
 def rope_cos_sin(positions: torch.Tensor, rotary_dim: int, theta: float, dtype: torch.dtype):

@@ -192,17 +192,6 @@ if triton is not None:
             tl.store(k_ptr + dst + ROT + c3, k3.to(dt), mask=m3)
 
 
-_inv_freq_cache: dict = {}
-
-
-def _inv_freq(rotary_dim: int, theta: float, device) -> torch.Tensor:
-    """RoPE frequencies (layers.rope_inv_freq, the ones rope_cos_sin uses), cached per device."""
-    key = (rotary_dim, float(theta), str(device))
-    if key not in _inv_freq_cache:
-        _inv_freq_cache[key] = rope_inv_freq(rotary_dim, theta, device)
-    return _inv_freq_cache[key]
-
-
 def _launch_config(n_heads: int, head_dim: int) -> tuple[int, int]:
     """(tokens per program, warps): ~2k elements of K (and of V) per layer step.
 
@@ -260,7 +249,7 @@ def knorm_rope_split(kv: torch.Tensor, k_norm_weights: torch.Tensor, positions: 
     if n == 0:
         return k, v
     device = kv.device
-    inv_freq = _inv_freq(rot, float(cfg.rope.get("rope_theta", 10000.0)), device)
+    inv_freq = rope_inv_freq(rot, float(cfg.rope.get("rope_theta", 10000.0)), device)  # cached, as rope_cos_sin's
     w = k_norm_weights.to(device=device).contiguous()
     pos = positions.to(device=device).contiguous()
     scale = row_scale.to(device=device, dtype=torch.float32).contiguous() if row_scale is not None else inv_freq

@@ -21,6 +21,8 @@ Steps of one decoder share one memory pool: they never run at the same time.
 
 from __future__ import annotations
 
+import gc
+
 import torch
 
 
@@ -48,8 +50,17 @@ class GraphedStep:
         if reset is not None:
             reset()
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
-            fn()
+        # No garbage collection inside the capture: a collected object whose memory is pinned host
+        # memory (an old decoder's staging buffer, say) frees it with CUDA calls that a capturing
+        # stream forbids, and the capture fails ("operation not permitted when stream is capturing").
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            with torch.cuda.graph(self.graph, pool=pool):
+                fn()
+        finally:
+            if collecting:
+                gc.enable()
 
     @property
     def captured(self) -> bool:

@@ -95,7 +95,7 @@ class FastDecoder:
         self.prompt_ids = z(batch, S)
         self.slot_positions = torch.arange(S, device=self.device).expand(batch, S)
         self.meta = z(2 * batch + 1 + MAX_STOP_TOKENS)
-        self._host_meta = torch.zeros(self.meta.shape, dtype=torch.long, pin_memory=self.device.type == "cuda")
+        self._host_meta = torch.zeros(self.meta.shape, dtype=torch.long)  # not pinned: see GraphedStep on freeing
         # what each step verified (device); SpecDecodeStats counts it at the end (last column: a dump)
         self.n_steps, self.n_drafts = z(batch), z(batch)
         self.draft_log, self.accepted_log = z(batch, capacity + 2), z(batch, capacity + 2)
@@ -287,9 +287,15 @@ class FastDecoder:
         return self._results(prompts, max_new_tokens, stop)
 
     def _results(self, prompts, max_new_tokens: int, stop: set) -> list[SpecDecodeResult]:
-        tokens, pos = self.tokens.tolist(), self.pos.tolist()
-        steps, drafts = self.n_steps.tolist(), self.n_drafts.tolist()
-        draft_log, accepted_log = self.draft_log.tolist(), self.accepted_log.tolist()
+        # one read-back (one sync) for everything: tokens | pos | steps | drafts | draft_log | accepted_log
+        parts = [self.tokens, self.pos[:, None], self.n_steps[:, None], self.n_drafts[:, None], self.draft_log,
+                 self.accepted_log]
+        rows = torch.cat(parts, dim=1)[:len(self._lengths)].tolist()
+        edges = [0]
+        for part in parts:
+            edges.append(edges[-1] + part.shape[1])
+        tokens, pos, steps, drafts, draft_log, accepted_log = (
+            [row[a:b] if b - a > 1 else row[a] for row in rows] for a, b in zip(edges, edges[1:]))
         out = []
         for b, T in enumerate(self._lengths):
             new = tokens[b][T:min(pos[b] + 1, T + max_new_tokens)]
