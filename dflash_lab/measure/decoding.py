@@ -27,7 +27,7 @@ from datetime import datetime, timezone
 import torch
 
 from ..runtime import device_name, synchronized_time
-from ..spec_decode.fast.decoder import PHASES, FastDecoder, phase_times
+from ..spec_decode.fast.decoder import PHASES, FastDecoder, phase_times, whole_step_seconds
 from ..spec_decode.stats import SpecDecodeStats
 
 METHODS = ("target_only", "dflash", "dflash_poolside", "prompt_lookup")
@@ -144,13 +144,16 @@ def phase_breakdown(target, drafters: dict, prompts, *, block_size: int, max_new
         dec = FastDecoder(target, _proposer(method, drafters), batch=1, block_size=block, capacity=capacity,
                           cuda_graphs=True, phase_graphs=True)
         phase_times(dec, prompts[:1], max_new_tokens=max_new_tokens)  # warm-up
-        total = {"steps": 0, **{f"{p}_s": 0.0 for p in PHASES}}
+        total = {"steps": 0, "prefill_s": 0.0, **{f"{p}_s": 0.0 for p in PHASES}}
         for p in prompts:
             for k, v in phase_times(dec, [p], max_new_tokens=max_new_tokens).items():
                 total[k] += v
         steps = max(total["steps"], 1)
         out[method] = {"block_size": block, "steps": total["steps"], "cuda_graphs": dec.cuda_graphs,
-                       **{f"{p}_ms_per_step": round(1e3 * total[f"{p}_s"] / steps, 4) for p in PHASES}}
+                       **{f"{p}_ms_per_step": round(1e3 * total[f"{p}_s"] / steps, 4) for p in PHASES},
+                       "whole_step_ms": round(1e3 * whole_step_seconds(dec), 4),  # the one graph generate replays
+                       "generations": len(prompts),
+                       "prefill_ms_per_generation": round(1e3 * total["prefill_s"] / len(prompts), 4)}
         del dec
         if device.type == "cuda":
             torch.cuda.empty_cache()

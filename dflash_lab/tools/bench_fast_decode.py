@@ -77,8 +77,11 @@ def fast_markdown(records, phases=None, *, n_prompts, max_new_tokens) -> list[st
             lines += ["", "Graphed output equal to the same kernels launched eagerly (prompts): " + "; ".join(same) + "."]
     if phases:
         lines += ["", "### Where a step's time goes (held-out prompts, batch 1, each phase its own graph, ms per step)", "",
-                  "| method | block | steps | draft | verify | context K/V append | accept |", "|---|---|---|---|---|---|---|"]
+                  "| method | block | steps | draft | verify | context K/V append | accept | whole step, one graph "
+                  "| prefill per generation |", "|---|---|---|---|---|---|---|---|---|"]
+        cell = lambda p, k: f"{p[k]:.3f}" if p.get(k) is not None else "-"  # noqa: E731 (older runs lack the last two)
         for m, p in phases.items():
             lines.append(f"| {m} | {p['block_size']} | {p['steps']} | {p['draft_ms_per_step']:.3f} | "
-                         f"{p['verify_ms_per_step']:.3f} | {p['append_ms_per_step']:.3f} | {p['accept_ms_per_step']:.3f} |")
+                         f"{p['verify_ms_per_step']:.3f} | {p['append_ms_per_step']:.3f} | {p['accept_ms_per_step']:.3f} | "
+                         f"{cell(p, 'whole_step_ms')} | {cell(p, 'prefill_ms_per_generation')} |")
     return lines

@@ -95,7 +95,11 @@ class FastDecoder:
         self.prompt_ids = z(batch, S)
         self.slot_positions = torch.arange(S, device=self.device).expand(batch, S)
         self.meta = z(2 * batch + 1 + MAX_STOP_TOKENS)
-        self._host_meta = torch.zeros(self.meta.shape, dtype=torch.long)  # not pinned: see GraphedStep on freeing
+        self._host_meta = torch.zeros(self.meta.shape, dtype=torch.long)
+        # what remains after a burst's next-to-last step, copied back while its last step runs (CUDA)
+        cuda = self.device.type == "cuda"
+        self._peek = torch.zeros((), dtype=torch.long, pin_memory=cuda)
+        self._peek_done = torch.cuda.Event() if cuda else None
         # what each step verified (device); SpecDecodeStats counts it at the end (last column: a dump)
         self.n_steps, self.n_drafts = z(batch), z(batch)
         self.draft_log, self.accepted_log = z(batch, capacity + 2), z(batch, capacity + 2)
@@ -234,15 +238,37 @@ class FastDecoder:
         self._lengths = lengths
 
     # --- decoding -----------------------------------------------------------------
+    def _remaining(self) -> torch.Tensor:
+        """The most tokens any live sequence still has to emit (a device scalar)."""
+        return torch.where(self.active, self.limit - self.pos, 0).max()
+
     def _run_on_device(self) -> None:
-        """Replay steps in bursts that cannot overshoot the last sequence's end, reading back once a burst."""
-        while True:
-            remaining = int(torch.where(self.active, self.limit - self.pos, 0).max())  # the one sync
-            if remaining <= 0:
-                return
-            for _ in range(max(1, math.ceil(remaining / self.B))):
+        """Replay steps in bursts that cannot overshoot the last sequence's end.
+
+        A burst of k = ceil(remaining / B) steps cannot overshoot, as a step emits at most B
+        tokens. On CUDA the host does not wait for a burst to end: what remains after its
+        next-to-last step is copied back while the last step runs, and that, less B, is a safe
+        size for the next burst, launched at once (the device never idles on a read-back).
+        Only when that bound reaches 0 does the host wait for the exact count.
+        """
+        remaining = int(self._remaining())  # a sync (after the prefill)
+        while remaining > 0:
+            k = max(1, math.ceil(remaining / self.B))
+            for _ in range(k - 1):
                 self.step()
-                self.host_steps += 1
+            if self._peek_done is None:  # off CUDA: the count after the burst
+                self.step()
+                self.host_steps += k
+                remaining = int(self._remaining())
+                continue
+            self._peek.copy_(self._remaining(), non_blocking=True)
+            self._peek_done.record()
+            self.step()
+            self.host_steps += k
+            self._peek_done.synchronize()  # the next-to-last step is done; the last one is running
+            remaining = int(self._peek) - self.B  # the last step emits at most B tokens per sequence
+            if remaining <= 0:
+                remaining = int(self._remaining())  # a sync: the exact count
 
     def _run_prompt_lookup(self, prompts, max_new_tokens: int, stop: set) -> None:
         """Host-driven: draft from each sequence's tokens, verify on the device, read back, repeat."""
@@ -386,17 +412,20 @@ def fast_generate(target, drafter, input_ids, *, max_new_tokens: int, block_size
 
 
 def phase_times(decoder: FastDecoder, prompts, *, max_new_tokens: int) -> dict:
-    """Seconds spent in each phase (draft, verify, append, accept) over one generation, each phase its own graph.
+    """Seconds spent in each phase (draft, verify, append, accept) over one generation, each phase its own graph,
+    and in its prefill (``prefill_s``: host preparation and the prefill graph, synchronised).
 
     The decoder must be built with ``phase_graphs=True``. Phases run back to back
     with device events between them; the sum is a little above a whole-step graph's time.
     """
     if decoder.phases is None:
         raise ValueError("build the FastDecoder with phase_graphs=True to time its phases")
+    timed = decoder.device.type == "cuda"
+    start = synchronized_time(decoder.device)
     decoder.prefill([p.to(decoder.device) for p in prompts], max_new_tokens, ())
+    prefill_s = synchronized_time(decoder.device) - start  # host preparation + the prefill (graph)
     totals = dict.fromkeys(PHASES, 0.0)
     steps = 0
-    timed = decoder.device.type == "cuda"
     while bool(decoder.active.any()):
         marks = []
         for name in PHASES:
@@ -415,4 +444,26 @@ def phase_times(decoder: FastDecoder, prompts, *, max_new_tokens: int) -> dict:
             for name, start, end in marks:
                 totals[name] += start.elapsed_time(end) / 1e3
         steps += 1
-    return {"steps": steps, **{f"{k}_s": v for k, v in totals.items()}}
+    return {"steps": steps, "prefill_s": prefill_s, **{f"{k}_s": v for k, v in totals.items()}}
+
+
+def whole_step_seconds(decoder: FastDecoder, replays: int = 64) -> float:
+    """Mean seconds of one whole-step replay (the graph ``generate`` runs), after a prefill.
+
+    A step's kernels do not depend on which sequences are still live, so replaying past the
+    end of a generation times the same work.
+    """
+    timed = decoder.device.type == "cuda"
+    decoder.step()  # warm
+    if timed:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+    else:
+        t0 = synchronized_time(decoder.device)
+    for _ in range(replays):
+        decoder.step()
+    if timed:
+        end.record()
+        torch.cuda.synchronize(decoder.device)
+        return start.elapsed_time(end) / 1e3 / replays
+    return (synchronized_time(decoder.device) - t0) / replays
