@@ -143,7 +143,8 @@ def phase_breakdown(target, drafters: dict, prompts, *, block_size: int, max_new
     for method, block in [(m, block_size) for m in drafters] + [("target_only", 1)]:
         dec = FastDecoder(target, _proposer(method, drafters), batch=1, block_size=block, capacity=capacity,
                           cuda_graphs=True, phase_graphs=True)
-        phase_times(dec, prompts[:1], max_new_tokens=max_new_tokens)  # warm-up
+        for p in prompts:  # warm-up: each prompt's prefill width captures its graph once, outside the clock
+            phase_times(dec, [p], max_new_tokens=max_new_tokens)
         total = {"steps": 0, "prefill_s": 0.0, **{f"{p}_s": 0.0 for p in PHASES}}
         for p in prompts:
             for k, v in phase_times(dec, [p], max_new_tokens=max_new_tokens).items():
