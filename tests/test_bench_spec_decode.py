@@ -97,7 +97,7 @@ def test_goal_line_per_set_is_computed_from_that_sets_records():
 def test_gap_lines_use_held_out_phases_and_each_sets_own_tau():
     lines = [line for line in gap_lines(result_of(both_sets())) if line]
     assert lines[0].startswith("Why (held-out prompts;") and "tau = 4.00 tokens" in lines[0]
-    assert "The measured ratio (2.00x) also counts each generation's prefill" in lines[1]  # no clock split: older run
+    assert "The measured ratio (2.00x) also counts each generation's prefill" in lines[1]  # ("" lines dropped above)  # no clock split: older run
     step_d, step_t = 0.3 + 0.8 + 0.03 + 0.05, 0.03 + 0.6 + 0.001 + 0.04
     assert lines[2].startswith("On the docstring-first prompts DFlash's tau is 3.00 (4.00 held-out)")
     assert f"= {3.0 * step_t / step_d:.2f}x; measured 3.00x." in lines[2]
@@ -114,12 +114,15 @@ def test_the_clock_per_generation_is_split_into_prefill_steps_and_host():
     phases["dflash"].update(whole_step_ms=1.0, prefill_ms_per_generation=0.5)
     phases["target_only"].update(whole_step_ms=0.6, prefill_ms_per_generation=0.4)
     line = next(x for x in gap_lines(result_of(records, phases=phases)) if x.startswith("The clock per generation"))
-    assert "DFlash 20.00 ms = prefill 0.50 + 18.0 steps x 1.000 ms (one graph each) + 1.50 ms on the host" in line
-    assert "target-only 60.00 ms = prefill 0.40 + 95.0 steps x 0.600 ms (one graph each) + 2.60 ms on the host" in line
+    assert "DFlash 20.00 ms = 18.0 steps x 1.000 ms (one graph each) + prefill 0.50 ms + 1.50 ms on the host" in line
+    assert "target-only 60.00 ms = 95.0 steps x 0.600 ms (one graph each) + prefill 0.40 ms + 2.60 ms on the host" in line
     assert f"Whole-step graphs alone give {95 * 0.6 / 18:.2f}x" in line and "measured 2.00x" in line
     phases["dflash"]["whole_step_ms"] = 0.5  # the split follows the phases
     line = next(x for x in gap_lines(result_of(records, phases=phases)) if x.startswith("The clock per generation"))
-    assert "+ 10.50 ms on the host" in line and f"give {95 * 0.6 / 9:.2f}x" in line
+    assert "+ prefill 0.50 ms + 10.50 ms on the host" in line and f"give {95 * 0.6 / 9:.2f}x" in line
+    phases["dflash"]["prefill_ms_per_generation"] = None  # a run that did not time the prefill alone: not split
+    line = next(x for x in gap_lines(result_of(records, phases=phases)) if x.startswith("The clock per generation"))
+    assert "+ 11.00 ms for the prefill and the host's work between steps" in line
 
 
 def test_records_without_prompt_set_are_held_out():

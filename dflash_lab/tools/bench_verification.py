@@ -17,7 +17,7 @@ from ..measure.verification import METHODS, markdown, run_grid
 
 
 def main(argv=None) -> None:
-    from ..assets import heldout_prompts, load_default_pair
+    from ..assets import heldout_prompts, load_default_pair, pair_fingerprint
     from ..runtime import resolve_device
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -46,7 +46,10 @@ def main(argv=None) -> None:
         out = Path(args.out)
         meta = {"drafter": args.drafter, "prompts": args.prompts, "prompt_tokens": args.prompt_tokens,
                 "max_new_tokens": args.max_new_tokens, "block_size": args.block_size, "device": str(device)}
-        write_results(out.parent, out.stem, {"settings": meta, "rows": rows}, table + "\n")
+        settings = ", ".join(f"{k} {v}" for k, v in meta.items())
+        write_results(out.parent, out.stem, {"settings": meta, "rows": rows, "pair": pair_fingerprint()},
+                      f"Settings: {settings} (the first {args.prompts} held-out prompts, each cut to its last "
+                      f"{args.prompt_tokens} tokens).\n\n" + table + "\n")
 
 if __name__ == "__main__":
     main()
