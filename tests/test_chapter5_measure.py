@@ -12,7 +12,7 @@ from dflash_lab.measure import context_kv as bench_context_kv
 from dflash_lab.runtime import REPO_ROOT
 from dflash_lab.spec_decode.fast import context_kv_kernel as kernels
 from dflash_lab.viz.kernels import context_kv_live_figure
-from dflash_lab.viz.speed import speedup_vs_tau_figure
+from dflash_lab.viz.speed import METHOD_LABELS, speedup_vs_tau_figure
 
 CPU = torch.device("cpu")
 
@@ -85,6 +85,29 @@ def test_speedup_figure_one_colour_per_batch_and_one_unit_per_axis():
     left, right = fig.layout.yaxis.title.text, fig.layout.yaxis2.title.text
     assert "τ" in left and "greedy" not in left
     assert "plain greedy" in right and "τ" not in right
+
+
+def test_speedup_figure_draws_one_prompt_set_against_its_own_baseline():
+    from dflash_lab.measure.decoding import records_of
+
+    speed = json.loads((REPO_ROOT / "benchmarks" / "spec_decode.json").read_text())
+    for prompt_set, words in (("heldout", "held-out"), ("docstring", "docstring-first")):
+        rows = [r for r in records_of(speed["records"], prompt_set) if r["cuda_graphs"] and r["batch"] == 1]
+        if not rows:
+            continue
+        fig = speedup_vs_tau_figure(speed["records"], prompt_set=prompt_set)
+        assert words in fig.layout.title.text
+        base = next(r["tokens_per_s"] for r in rows if r["method"] == "target_only")
+        bar = next(t for t in fig.data if t.name == "speedup, batch 1")
+        by_tick = dict(zip(bar.x, bar.y))
+        for r in rows:
+            if r["method"] != "target_only":
+                tick = next(x for x in bar.x if x.endswith(f"block {r['block_size']}") and
+                            x.startswith(METHOD_LABELS[r["method"]].split(" (")[0]) and
+                            (("Poolside" in x) == (r["method"] == "dflash_poolside")))
+                assert abs(by_tick[tick] - r["tokens_per_s"] / base) < 1e-9, (prompt_set, r["method"], r["block_size"])
+    with pytest.raises(ValueError, match="prompt_set"):
+        speedup_vs_tau_figure(speed["records"], prompt_set="other")
 
 
 def test_fused_control_on_a_cpu_says_it_needs_a_gpu_and_does_not_pretend(make_drafter):

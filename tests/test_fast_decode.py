@@ -21,7 +21,8 @@ import torch
 from dflash_lab.config import DFlashDrafterConfig
 from dflash_lab.drafter import DFlashLagunaDrafter
 from dflash_lab.spec_decode import speculative_generate
-from dflash_lab.spec_decode.fast.decoder import FastDecoder, fast_generate, fast_generate_batch, phase_times
+from dflash_lab.measure.decoding import phase_times
+from dflash_lab.spec_decode.fast.decoder import FastDecoder, fast_generate, fast_generate_batch
 from dflash_lab.spec_decode.fast.cuda_graphs import GraphedStep
 from dflash_lab.spec_decode.fast.static_target import StaticTarget
 from dflash_lab.target import build_target, target_forward, tiny_laguna_config

@@ -27,7 +27,7 @@ from datetime import datetime, timezone
 import torch
 
 from ..runtime import device_name, synchronized_time
-from ..spec_decode.fast.decoder import PHASES, FastDecoder, phase_times, whole_step_seconds
+from ..spec_decode.fast.decoder import PHASES, FastDecoder
 from ..spec_decode.stats import SpecDecodeStats
 
 METHODS = ("target_only", "dflash", "dflash_poolside", "prompt_lookup")
@@ -159,3 +159,66 @@ def phase_breakdown(target, drafters: dict, prompts, *, block_size: int, max_new
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return out
+
+
+# ---------------------------------------------------------------------------
+# Timing one decoder: its phases, its whole step
+# ---------------------------------------------------------------------------
+
+
+def phase_times(decoder: FastDecoder, prompts, *, max_new_tokens: int) -> dict:
+    """Seconds spent in each phase (draft, verify, append, accept) over one generation, each phase its own graph,
+    and in its prefill (``prefill_s``: host preparation and the prefill graph, synchronised).
+
+    The decoder must be built with ``phase_graphs=True``. Phases run back to back
+    with device events between them; the sum is a little above a whole-step graph's time.
+    """
+    if decoder.phases is None:
+        raise ValueError("build the FastDecoder with phase_graphs=True to time its phases")
+    timed = decoder.device.type == "cuda"
+    start = synchronized_time(decoder.device)
+    decoder.prefill([p.to(decoder.device) for p in prompts], max_new_tokens, ())
+    prefill_s = synchronized_time(decoder.device) - start  # host preparation + the prefill (graph)
+    totals = dict.fromkeys(PHASES, 0.0)
+    steps = 0
+    while bool(decoder.active.any()):
+        marks = []
+        for name in PHASES:
+            start = torch.cuda.Event(enable_timing=True) if timed else synchronized_time(decoder.device)
+            if timed:
+                start.record()
+            decoder.phases[name]()
+            if timed:
+                end = torch.cuda.Event(enable_timing=True)
+                end.record()
+                marks.append((name, start, end))
+            else:
+                totals[name] += synchronized_time(decoder.device) - start
+        if timed:
+            torch.cuda.synchronize(decoder.device)
+            for name, start, end in marks:
+                totals[name] += start.elapsed_time(end) / 1e3
+        steps += 1
+    return {"steps": steps, "prefill_s": prefill_s, **{f"{k}_s": v for k, v in totals.items()}}
+
+
+def whole_step_seconds(decoder: FastDecoder, replays: int = 64) -> float:
+    """Mean seconds of one whole-step replay (the graph ``generate`` runs), after a prefill.
+
+    A step's kernels do not depend on which sequences are still live, so replaying past the
+    end of a generation times the same work.
+    """
+    timed = decoder.device.type == "cuda"
+    decoder.step()  # warm
+    if timed:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+    else:
+        t0 = synchronized_time(decoder.device)
+    for _ in range(replays):
+        decoder.step()
+    if timed:
+        end.record()
+        torch.cuda.synchronize(decoder.device)
+        return start.elapsed_time(end) / 1e3 / replays
+    return (synchronized_time(decoder.device) - t0) / replays

@@ -34,13 +34,19 @@ def _config_tick(method: str, block: int) -> str:
     return f"{label}<br>block {block}"
 
 
-def speedup_vs_tau_figure(records, *, cuda_graphs: bool = True, title: str | None = None) -> go.Figure:
+def speedup_vs_tau_figure(records, *, cuda_graphs: bool = True, prompt_set: str = "heldout",
+                          title: str | None = None) -> go.Figure:
     """Per method and block size, two panels with one unit each on one shared axis of methods: on top,
     tau (tokens per target forward, the ceiling of the speedup); below, the measured tokens/s over plain
-    greedy decoding, one colour per batch size."""
-    rows = [r for r in records if r["cuda_graphs"] == cuda_graphs]
+    greedy decoding, one colour per batch size. One prompt set's records (a record without
+    ``prompt_set`` is a held-out one): each speedup is over target-only on the same prompts."""
+    from dflash_lab.measure.decoding import PROMPT_SETS, records_of
+
+    if prompt_set not in PROMPT_SETS:
+        raise ValueError(f"prompt_set must be one of {PROMPT_SETS}, got {prompt_set!r}")
+    rows = [r for r in records_of(records, prompt_set) if r["cuda_graphs"] == cuda_graphs]
     if not rows:
-        raise ValueError(f"no records with cuda_graphs={cuda_graphs}")
+        raise ValueError(f"no {prompt_set} records with cuda_graphs={cuda_graphs}")
     base = {r["batch"]: r["tokens_per_s"] for r in rows if r["method"] == "target_only"}
     order = list(METHOD_LABELS)
     configs = sorted({(r["method"], r["block_size"]) for r in rows if r["method"] != "target_only"},
@@ -72,7 +78,9 @@ def speedup_vs_tau_figure(records, *, cuda_graphs: bool = True, title: str | Non
     fig.update_annotations(font_size=12)
     fig.update_layout(barmode="group", legend=dict(orientation="h", y=-0.22))
     graphs = "CUDA graphs on" if cuda_graphs else "CUDA graphs off"
-    return titled(fig, title or f"τ and the measured speedup · {rows[0].get('device', '?')}, {graphs}", height=640)
+    prompts = {"heldout": "held-out prompts", "docstring": "docstring-first prompts"}[prompt_set]
+    return titled(fig, title or f"τ and the measured speedup · {rows[0].get('device', '?')}, {graphs}, {prompts}",
+                  height=640)
 
 
 def step_time_figure(phases: dict, *, taus: dict | None = None, title: str | None = None) -> go.Figure:

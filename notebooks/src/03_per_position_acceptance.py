@@ -49,6 +49,7 @@ from dflash_lab.assets import (DRAFTERS, default_device, heldout_prompts, load_d
                                pair_fingerprint)
 from dflash_lab.checkpoint import load_drafter
 from dflash_lab.export import export_stats
+from dflash_lab.measure.decoding import records_of
 from dflash_lab.spec_decode.metrics import stats_from_prometheus_text
 from dflash_lab.repro import rounded
 from dflash_lab.runtime import BENCHMARKS_DIR, REPO_ROOT, drafter_path, seed_everything, target_path
@@ -361,8 +362,8 @@ names = {"target_only": "plain greedy", "dflash": "DFlash", "prompt_lookup": "pr
 h200 = [{"label": names[r["method"]] + ("" if r["method"] == "target_only" else " b16"), "method": names[r["method"]],
          "where": "H200, CUDA graphs", "tau": r["mean_acceptance_length"], "tokens_per_s": r["tokens_per_s"],
          "target_forwards_per_token": r["target_forwards_per_token"]}
-        for r in bench["records"] if r["batch"] == 1 and r["cuda_graphs"] and r["method"] in names
-        and r["block_size"] in (1, 16)]
+        for r in records_of(bench["records"], "heldout") if r["batch"] == 1 and r["cuda_graphs"]
+        and r["method"] in names and r["block_size"] in (1, 16)]
 measured = sorted({r.get("measured", "?")[:10] for r in bench["records"] if r["method"] in names and r["batch"] == 1})
 print(f"H200 setting: {bench['n_prompts']} held-out prompts, {bench['max_new_tokens']} new tokens, bfloat16, batch 1; "
       f"measured {', '.join(measured)}")

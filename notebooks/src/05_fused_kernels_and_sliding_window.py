@@ -74,6 +74,7 @@ from dflash_lab.runtime import REPO_ROOT, seed_everything
 from dflash_lab.spec_decode import generate_on_prompts
 from dflash_lab.target import target_forward
 from dflash_lab.measure import context_kv as bench_context_kv, decoding as bench_fast_decode
+from dflash_lab.measure.decoding import records_of
 from dflash_lab.measure.timing import XS2
 from dflash_lab.viz.kernels import context_kv_live_figure
 from dflash_lab.widgets import fused_kernel_explorer, window_acceptance_explorer
@@ -291,7 +292,8 @@ fused_kernel_explorer(drafter, context, positions, records)
 # %%
 # NBVAL_IGNORE_OUTPUT
 speed = json.loads((REPO_ROOT / "benchmarks" / "spec_decode.json").read_text())
-speed_records, phases = speed["records"], speed["phases"]
+speed_records, phases = records_of(speed["records"], "heldout"), speed["phases"]  # the held-out set (the other below)
+docstring_records = records_of(speed["records"], "docstring")
 if device.type == "cuda":  # a quick live run: batch 1, block 16, 8 prompts x 64 tokens (~half a minute)
     live_prompts = [tokenizer(p["text"], return_tensors="pt")["input_ids"][0, -256:].to(device)
                     for p in heldout_prompts()[:8]]
@@ -315,6 +317,15 @@ for r in speed_records:
 
 # %%
 viz.speedup_vs_tau_figure(speed_records)
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+if docstring_records and device.type != "cuda":  # the committed run's second prompt set: the same methods
+    plain = {r["batch"]: r["tokens_per_s"] for r in docstring_records if r["method"] == "target_only" and r["cuda_graphs"]}
+    for r in docstring_records:
+        if r["cuda_graphs"] and r["batch"] == 1 and r["block_size"] == 16:
+            print(f"docstring-first prompts, {r['method']:15s} block 16: {r['tokens_per_s'] / plain[1]:.2f}x plain greedy, "
+                  f"tau {r['mean_acceptance_length']:.2f}")
 
 # %%
 ph = phases
