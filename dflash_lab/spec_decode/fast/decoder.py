@@ -22,10 +22,15 @@ A DFlash step runs entirely on the device, for every sequence at once:
              reached max_new_tokens or emitted a stop token is frozen (its later steps
              change nothing that is read back)
 
+Before the first step, the prefill: every prompt right-padded to a multiple of
+PREFILL_STEP tokens, its target forward, the drafter's context K/V and the first token,
+as one graph per padded length (captured the first time a batch that long comes).
+
 Nothing is read back inside the loop: the host replays ceil(remaining / B) steps
 (no sequence can finish sooner, as a step emits at most B tokens), then reads how
-many tokens remain, and repeats. Prompt lookup drafts on the host from the
-tokens so far, so its loop reads back every step (as vLLM's ngram proposer does).
+many tokens remain (on CUDA while the burst's last step still runs), and repeats.
+Prompt lookup drafts on the host from the tokens so far, so its loop reads back
+every step (as vLLM's ngram proposer does).
 """
 
 from __future__ import annotations
