@@ -56,9 +56,12 @@ def fast_markdown(records, phases=None, *, n_prompts, max_new_tokens) -> list[st
     if not records:
         return []
     r0 = records[0]
-    lines = [f"## Measured: the static path, CUDA graphs on and off ({r0['device']}, {r0['dtype']}, greedy)", "",
+    settings = {bool(r["cuda_graphs"]) for r in records}
+    graphs = "CUDA graphs on and off" if len(settings) == 2 else f"CUDA graphs {'on' if True in settings else 'off'}"
+    lines = [f"## Measured: the static path, {graphs} ({r0['device']}, {r0['dtype']}, greedy)", "",
              "Each prompt cut to its last 256 tokens, in batches; static KV caches, MoE as "
-             f"`{r0.get('moe', '?')}`, one CUDA graph per step (`dflash_lab.spec_decode.fast.decoder`). Clock: prefill + "
+             f"`{r0.get('moe', '?')}`, the prefill (prompts padded to a multiple of 64 tokens) and each step one "
+             "CUDA graph where graphs are on (`dflash_lab.spec_decode.fast.decoder`). Clock: prefill + "
              "decoding + host work, after an untimed warm-up (every prompt once). One table per prompt set: tokens/s "
              "(x target-only on the same prompts, batch and graphs setting; tau = mean acceptance length)."]
     for prompt_set in PROMPT_SETS:

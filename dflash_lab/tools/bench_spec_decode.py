@@ -4,7 +4,7 @@
 
 1. Measured (``measure.decoding``, tables by ``bench_fast_decode``): tokens/s of
    target-only greedy decoding, DFlash (both shipped drafters) and prompt lookup at
-   each block size, at batch 1, 8 and 32, with CUDA graphs on and off, on the static
+   each block size, at batch 1, 8 and 32, with CUDA graphs on and/or off, on the static
    path (``dflash_lab.spec_decode.fast.decoder``), on each prompt set of
    ``--prompt-set``: the held-out prompts (``assets.heldout_prompts``) and the
    docstring-first prompts (``assets.docstring_prompts``: a function's signature and
@@ -228,6 +228,8 @@ def spec_decode_markdown(result: dict) -> str:
                            n_prompts={s: sets.get(s, {}).get("n_prompts", result["n_prompts"]) for s in PROMPT_SETS},
                            max_new_tokens={s: sets.get(s, {}).get("max_new_tokens", result["max_new_tokens"])
                                            for s in PROMPT_SETS})
+    if result.get("phases_note"):  # a known fault of one run's phase timings, said where the table is
+        lines += ["", f"Note: {result['phases_note']}"]
     lines += goal_lines(result)
     lines += gap_lines(result)
     proj = result.get("projection_graphed")
