@@ -318,14 +318,12 @@ class FastDecoder:
 
     def _results(self, prompts, max_new_tokens: int, stop: set) -> list[SpecDecodeResult]:
         # one read-back (one sync) for everything: tokens | pos | steps | drafts | draft_log | accepted_log
-        parts = [self.tokens, self.pos[:, None], self.n_steps[:, None], self.n_drafts[:, None], self.draft_log,
-                 self.accepted_log]
-        rows = torch.cat(parts, dim=1)[:len(self._lengths)].tolist()
-        edges = [0]
-        for part in parts:
-            edges.append(edges[-1] + part.shape[1])
-        tokens, pos, steps, drafts, draft_log, accepted_log = (
-            [row[a:b] if b - a > 1 else row[a] for row in rows] for a, b in zip(edges, edges[1:]))
+        S, L = self.tokens.shape[1], self.draft_log.shape[1]
+        counts = torch.stack([self.pos, self.n_steps, self.n_drafts], dim=1)
+        rows = torch.cat([self.tokens, counts, self.draft_log, self.accepted_log], dim=1)[:len(self._lengths)].tolist()
+        tokens, draft_log, accepted_log = ([r[a:a + w] for r in rows] for a, w in
+                                           ((0, S), (S + 3, L), (S + 3 + L, L)))
+        pos, steps, drafts = ([r[S + i] for r in rows] for i in range(3))
         out = []
         for b, T in enumerate(self._lengths):
             new = tokens[b][T:min(pos[b] + 1, T + max_new_tokens)]
