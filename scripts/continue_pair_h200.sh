@@ -26,6 +26,7 @@ LAYERS=${LAYERS:-3}
 WIDTH=${WIDTH:-1024}
 LR=${LR:-2e-3}
 WARMUP=${WARMUP:-100}
+LR_FLOOR=${LR_FLOOR:-0.05}
 SEED=${SEED:-7}
 DEVICE=${DEVICE:-cuda}
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=true HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
@@ -36,13 +37,13 @@ if [ ! -f "$CK/distill.safetensors" ]; then
   $PY -m dflash_lab.train distill --device "$DEVICE" --target "$TARGET" --corpus "$PACK" \
       --data "$CK/distill.safetensors" --seed "$SEED" --num-sequences "$NUM_SEQUENCES" --gen-batch "$GEN_BATCH" \
       --time-budget "$DISTILL_BUDGET" --prefix-sources distill=0.25,train=0.25,distill_stdlib=0.25,train_stdlib=0.25 \
-      2>&1 | tee "$OUT/distill.log"
+      2>&1 | tee "$CK/distill.log"  # not in $OUT: what comes back from a GPU sitting is 8 files at most
 fi
 
 for name in dflash dflash-poolside; do
   $PY -m dflash_lab.train drafter --device "$DEVICE" --target "$TARGET" --data "$CK/distill.safetensors" \
       --init "$INIT/laguna-tiny-code-$name" --layers "$LAYERS" --intermediate-size "$WIDTH" --seed "$SEED" \
-      --batch-size "$BATCH" --lr "$LR" --warmup "$WARMUP" --steps 100000 --short-block-share 0.3 --eval-prompts 0 \
+      --batch-size "$BATCH" --lr "$LR" --warmup "$WARMUP" --lr-floor "$LR_FLOOR" --steps 100000 --short-block-share 0.3 --eval-prompts 0 \
       --time-budget "$DRAFTER_BUDGET" --out "$CK/$ROUND/laguna-tiny-code-$name" > "$OUT/drafter-$name.log" 2>&1 &
 done
 wait

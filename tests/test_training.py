@@ -237,6 +237,26 @@ def test_a_few_drafter_steps_reduce_the_loss():
     assert isinstance(drafter.config, DFlashDrafterConfig) and drafter.config.block_size == 4
 
 
+def test_the_schedule_ends_at_its_floor_so_one_schedule_can_span_two_sittings():
+    target = micro_target()
+    seqs = train.greedy_generate(target, torch.randint(4, VOCAB, (4, 12), generator=torch.Generator().manual_seed(1)), 16)
+    lrs = {}
+    for floor in (0.05, 0.4):
+        cfg, _ = micro_drafter_config(target, steps=12, lr=1e-3, warmup=2, lr_floor=floor, log_every=1)
+        _, log = train.train_drafter(target, {12: seqs.numpy().astype(np.uint16)}, cfg, continuation=16)
+        lrs[floor] = [c[2] for c in log["loss_curve"]]
+    # the last step runs 9/10 of the way down the cosine: 2 % of the span above the floor
+    assert 0.4e-3 < lrs[0.4][-1] < 0.42e-3 and 0.05e-3 < lrs[0.05][-1] < 0.08e-3
+    assert max(lrs[0.4]) == pytest.approx(1e-3) and all(a >= b for a, b in zip(lrs[0.4][2:], lrs[0.4][3:]))
+
+
+def test_a_floor_outside_zero_to_one_is_refused_before_anything_loads():
+    from dflash_lab.train.cli import main
+
+    with pytest.raises(ValueError, match=r"--lr-floor is a fraction of --lr in \[0, 1\], got 1.5"):
+        main(["drafter", "--lr-floor", "1.5", "--target", "/nonexistent"])
+
+
 def test_training_logs_of_the_shipped_pair_plot():
     from dflash_lab.assets import DEFAULT_DRAFTER
     from dflash_lab.viz import plot_training_log

@@ -82,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--batch-size", type=int, default=DrafterTrainConfig.batch_size)
     sp.add_argument("--lr", type=float, default=DrafterTrainConfig.lr)
     sp.add_argument("--warmup", type=int, default=DrafterTrainConfig.warmup)
+    sp.add_argument("--lr-floor", type=float, default=DrafterTrainConfig.lr_floor,
+                    help="the cosine schedule ends at this fraction of --lr (default %(default)s); split one long "
+                         "schedule over sittings by ending the first high and starting the next there")
     sp.add_argument("--short-block-share", type=float, default=DrafterTrainConfig.short_block_share,
                     help="share of blocks trained at a random shorter length (serves smaller block sizes)")
     sp.add_argument("--init", default=None, help="continue training this drafter checkpoint")

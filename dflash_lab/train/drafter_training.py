@@ -55,6 +55,7 @@ class DrafterTrainConfig:
     steps: int = 4000
     lr: float = 2e-3
     warmup: int = 200
+    lr_floor: float = 0.05  # the cosine ends at lr_floor * lr; a sitting that another one continues ends higher
     weight_decay: float = 0.01
     grad_clip: float = 1.0
     gamma: float = 7.0  # position-weight decay (the DFlash paper's value for block 16)
@@ -209,7 +210,7 @@ def _train_drafter(target, data, cfg, continuation, clock, device, init, callbac
     bar = progress(total, "drafter", disable=not show_progress)
     loop_start, step, seqs_seen, pace_start = time.perf_counter(), 0, 0, None
     while step < total:
-        lr = lr_at(step, total, cfg.lr, cfg.warmup, floor=0.05)
+        lr = lr_at(step, total, cfg.lr, cfg.warmup, floor=cfg.lr_floor)
         for g in opt.param_groups:
             g["lr"] = lr
         group = int(torch.multinomial(sizes, 1, generator=gen))
@@ -304,8 +305,11 @@ def run_drafter(args) -> None:
     cfg = DrafterTrainConfig(**shape,
                              layer_type=args.layer_type, sliding_window=args.sliding_window, causal=args.causal,
                              block_size=args.block_size, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
-                             warmup=args.warmup, short_block_share=args.short_block_share, seed=args.seed)
+                             warmup=args.warmup, lr_floor=args.lr_floor, short_block_share=args.short_block_share,
+                             seed=args.seed)
     check_attention(cfg.layer_type, cfg.sliding_window, cfg.causal)  # before minutes of data generation
+    if not 0.0 <= cfg.lr_floor <= 1.0:
+        raise ValueError(f"--lr-floor is a fraction of --lr in [0, 1], got {cfg.lr_floor}")
     device = resolve_device(args.device, caller="train drafter")
     tokenizer = load_tokenizer(args.target)
     prompts = corpus.load_prompts(args.prompts)
