@@ -8,7 +8,7 @@ import torch
 from dflash_lab.assets import heldout_prompts, load_default_pair
 from dflash_lab.spec_decode import SpecDecodeStats, speculative_generate
 
-MIN_MEAN_ACCEPTANCE_LENGTH = 4.5  # the shipped pair measures 4.81 at block 16 on a CPU (all 48 prompts)
+MIN_MEAN_ACCEPTANCE_LENGTH = 4.5  # the shipped pair measures 5.02 at block 16 on a CPU (all 48 prompts)
 
 
 @pytest.fixture(scope="module")

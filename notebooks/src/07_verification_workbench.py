@@ -32,7 +32,7 @@ import torch
 from IPython.display import Markdown, display
 
 from dflash_lab import viz
-from dflash_lab.assets import default_device, heldout_prompts, load_default_pair
+from dflash_lab.assets import default_device, heldout_prompts, load_default_pair, measured_on_this_pair
 from dflash_lab.runtime import BENCHMARKS_DIR, seed_everything
 from dflash_lab.spec_decode import acceptance, speculative_generate
 from dflash_lab.spec_decode.proposers import dflash_draft_logits
@@ -98,16 +98,16 @@ print(markdown(live))
 viz.tau_interval_figure(live, title="τ per rule (live: 3 prompts, 16 tokens), 95 % interval over prompts")
 
 # %% [markdown]
-# Three prompts give wide intervals. The whole grid (all four rules) on 32 held-out prompts, 64 new
-# tokens, was run on an H200 and committed (`python -m dflash_lab.tools.bench_verification --prompts 32 --device cuda
-# --out benchmarks/verification_methods.json`):
+# Three prompts give wide intervals. The whole grid (all four rules) on more held-out prompts (the
+# run's settings are printed below), 64 new tokens, was run on an H200 and committed
+# (`python -m dflash_lab.tools.bench_verification --prompts 16 --device cuda --out benchmarks/verification_methods.json`):
 
 # %%
 grid = json.loads((BENCHMARKS_DIR / "verification_methods.json").read_text())
-rows = grid["rows"]
+rows, n_grid = grid["rows"], grid["settings"]["prompts"]
 print(grid["settings"])
 display(Markdown(markdown(rows)))
-viz.tau_interval_figure(rows, title="τ per rule (32 prompts, 64 tokens, block 8), 95 % interval over prompts")
+viz.tau_interval_figure(rows, title=f"τ per rule ({n_grid} prompts, 64 tokens, block 8), 95 % interval over prompts")
 
 
 # %%
@@ -118,7 +118,7 @@ def row(method, temperature, mode, rows=rows):
 
 viz.verification_rates_figure([row("standard", 0.7, "probabilistic"), row("block", 0.7, "probabilistic"),
                                row("standard", 0.7, "greedy"), row("block", 0.7, "greedy")],
-                              title="Per-position acceptance at T = 0.7 (32 prompts)")
+                              title=f"Per-position acceptance at T = 0.7 ({n_grid} prompts)")
 
 # %% [markdown]
 # ## 3. What FLy gives up
@@ -135,10 +135,11 @@ for T in (0.0, 1.0):
         print(f"T={T:g} {mode:>13} drafts: τ standard {s['tau']:.2f}, fly {f['tau']:.2f}; "
               f"not the target's argmax: {f['not_target_argmax']:.3f} vs {s['not_target_argmax']:.3f}; "
               f"target log p/token {f['target_logp']:.3f} vs {s['target_logp']:.3f}")
-fly16 = json.loads((BENCHMARKS_DIR / "verification_fly_b16.json").read_text())["rows"]
-s16, f16 = row("standard", 0.0, "greedy", fly16), row("fly", 0.0, "greedy", fly16)
+fly16_run = json.loads((BENCHMARKS_DIR / "verification_fly_b16.json").read_text())
+s16, f16 = row("standard", 0.0, "greedy", fly16_run["rows"]), row("fly", 0.0, "greedy", fly16_run["rows"])
 print(f"block 16, T=0 (16 prompts): τ standard {s16['tau']:.2f}, fly {f16['tau']:.2f}; "
-      f"fly's tokens not the target's argmax: {f16['not_target_argmax']:.3f}")
+      f"fly's tokens not the target's argmax: {f16['not_target_argmax']:.3f}"
+      + ("" if measured_on_this_pair(fly16_run) else " (a committed run on an earlier shipped pair, not these weights)"))
 
 # %% [markdown]
 # ## 4. Explore
@@ -192,7 +193,7 @@ answer = (
     f"- **Greedy drafts (vLLM's default):** block verification buys nothing — its law equals standard's "
     f"(largest difference {gap:.0e} on a real block), so any τ difference in a run is sampling noise.\n"
     f"- **Probabilistic drafts:** block verification measured τ {gains[0.7]:+.2f} at T = 0.7 and {gains[1.0]:+.2f} at "
-    f"T = 1 over standard (32 prompts; standard's interval ±{halfwidth[0.7]:.2f} / ±{halfwidth[1.0]:.2f}); "
+    f"T = 1 over standard ({n_grid} prompts; standard's interval ±{halfwidth[0.7]:.2f} / ±{halfwidth[1.0]:.2f}); "
     f"the largest per-position difference is at position {best + 1} ({per_pos[best]:+.3f}). vLLM reports "
     f"+0.05–0.08: this pair, at this sample size, cannot tell that from zero.\n"
     f"- **Probabilistic vs greedy drafts** matters more than the rule: standard τ "
