@@ -182,10 +182,9 @@ def clock_lines(result: dict, dflash: dict, target: dict | None, d: dict, t: dic
             texts.append(head + f"{rest:.2f} ms for the prefill and the host's work between steps")
         elif rest - prefill >= 0:
             texts.append(head + f"prefill {prefill:.2f} ms + {rest - prefill:.2f} ms on the host between steps")
-        else:  # the steps ran a little faster in the loop than their graph timed alone: no host time to see
+        else:  # the loop's steps ran a little faster than their graph timed alone: no host time to see
             texts.append(head + f"prefill {prefill:.2f} ms, and {rest - prefill:.2f} ms left over: the loop's steps ran "
-                         f"{-(rest - prefill) / steps * 1e3:.0f} us faster each than their graph timed alone, so no "
-                         "host time shows")
+                         f"{(prefill - rest) / steps * 1e3:.0f} us faster each than their graph timed alone, so no host time shows")
     (_, dsteps, dp, drest), (_, tsteps, tp, trest) = parts
     decode_only = (tsteps * tp["whole_step_ms"]) / (dsteps * dp["whole_step_ms"])
     return ["", f"The clock per generation (batch 1, held-out, {n} prompts): {'; '.join(texts)}. Whole-step graphs alone "
