@@ -65,6 +65,10 @@ class DrafterTrainConfig:
     log_every: int = 20
     seed: int = 0
 
+    def __post_init__(self):  # the CLI builds this first, so a bad value fails before any data generation
+        if not 0.0 <= self.lr_floor <= 1.0:
+            raise ValueError(f"--lr-floor is a fraction of --lr in [0, 1], got {self.lr_floor}")
+
 
 def check_attention(layer_type: str, sliding_window: int | None, causal: bool | None) -> None:
     """The attention options make a drafter vLLM can serve: a window exactly for sliding layers."""
@@ -308,8 +312,6 @@ def run_drafter(args) -> None:
                              warmup=args.warmup, lr_floor=args.lr_floor, short_block_share=args.short_block_share,
                              seed=args.seed)
     check_attention(cfg.layer_type, cfg.sliding_window, cfg.causal)  # before minutes of data generation
-    if not 0.0 <= cfg.lr_floor <= 1.0:
-        raise ValueError(f"--lr-floor is a fraction of --lr in [0, 1], got {cfg.lr_floor}")
     device = resolve_device(args.device, caller="train drafter")
     tokenizer = load_tokenizer(args.target)
     prompts = corpus.load_prompts(args.prompts)
