@@ -13,10 +13,12 @@ the same computation, written so that it can be captured and replayed:
                  by this block)
     masks        from the positions tensor on the device: causal, plus the sliding
                  window on sliding layers
-    MoE          grouped GEMMs (``torch.nn.functional.grouped_mm``) over tokens
-                 sorted by expert, bf16 on CUDA; elsewhere (float32, CPU) every
-                 expert over every token as one batched GEMM, then a gather of the
-                 top-k (cheap at the shipped pair's 8 experts)
+    MoE          "auto": on CUDA in bf16/fp16, only the chosen experts' weights are read
+                 (``moe.gathered_experts``: pairs sorted by expert into blocks, one Triton
+                 GEMM per projection), up to ``GROUPED_FROM_PAIRS`` (token, expert) pairs;
+                 past that (a long prefill) torch's grouped GEMM where it runs. Elsewhere
+                 (float32, CPU) every expert over every token as one batched GEMM, then a
+                 gather of the top-k (exact, and cheap at the shipped pair's 8 experts)
     projections  q/k/v/gate in one GEMM and the MLP's gate/up in one GEMM (the
                  weights concatenated once); the router is the model's own math
     kernels      on CUDA each RMSNorm is one kernel and each q/k head norm + RoPE
@@ -36,8 +38,10 @@ import torch.nn.functional as F
 
 from ...layers import additive_mask, gqa_attention, grouped_mask
 from . import triton_ops
+from .moe import gathered_experts, kernel_runs
 
-MOE_IMPLEMENTATIONS = ("auto", "grouped", "dense")
+MOE_IMPLEMENTATIONS = ("auto", "gathered", "grouped", "dense")
+GROUPED_FROM_PAIRS = 4096  # "auto": more (token, expert) pairs than this (a prefill) go to torch's grouped GEMM
 
 
 def _grouped_mm():
@@ -63,15 +67,23 @@ def _grouped_mm_runs(device: torch.device, dtype: torch.dtype) -> bool:
     return _GROUPED_OK[key]
 
 
+def grouped_usable(device: torch.device, dtype: torch.dtype) -> bool:
+    """torch's grouped GEMM exists and runs here (bf16 on CUDA)."""
+    usable = device.type == "cuda" and dtype == torch.bfloat16 and _grouped_mm() is not None
+    return usable and _grouped_mm_runs(device, dtype)
+
+
 def resolve_moe(moe: str, device: torch.device, dtype: torch.dtype) -> str:
-    """"auto": grouped GEMMs in bf16 on CUDA where torch's kernel runs, else dense."""
+    """"auto": "gathered" where its kernel runs (bf16/fp16 on CUDA), else "dense" (exact in float32).
+
+    "gathered" hands calls with more than ``GROUPED_FROM_PAIRS`` pairs to "grouped" where that runs.
+    """
     if moe not in MOE_IMPLEMENTATIONS:
         raise ValueError(f"moe must be one of {MOE_IMPLEMENTATIONS}, got {moe!r}")
     if moe == "grouped" and _grouped_mm() is None:
         raise RuntimeError("moe='grouped' needs torch.nn.functional.grouped_mm (torch >= 2.10)")
     if moe == "auto":
-        usable = device.type == "cuda" and dtype == torch.bfloat16 and _grouped_mm() is not None
-        return "grouped" if usable and _grouped_mm_runs(device, dtype) else "dense"
+        return "gathered" if kernel_runs(torch.empty(0, device=device, dtype=dtype)) else "dense"
     return moe
 
 
@@ -102,6 +114,7 @@ class _Layer:
     b_in: torch.Tensor | None
     split: tuple[int, int, int, int]
     window: int | None  # sliding window, None on full-attention layers
+    groups: int  # query heads per KV head (Laguna's head count may differ per layer)
     layer_type: str
     input_norm: object
     post_norm: object
@@ -128,6 +141,7 @@ def _prepare_layer(layer, layer_type: str, window: int | None) -> _Layer:
         w_gu, w_down, act = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), mlp.down_proj.weight, mlp.act_fn
     return _Layer(attn=a, w_in=torch.cat(ws), b_in=b_in, split=tuple(w.shape[0] for w in ws),
                   window=window if layer_type == "sliding_attention" else None, layer_type=layer_type,
+                  groups=ws[0].shape[0] // ws[1].shape[0],
                   input_norm=layer.input_layernorm, post_norm=layer.post_attention_layernorm, mlp=mlp,
                   sparse=sparse, w_gu=w_gu, w_down=w_down, act=act)
 
@@ -152,6 +166,8 @@ class StaticTarget:
         self.batch, self.capacity = batch, round_up(capacity, 16)  # fused attention kernels like 16-aligned masks
         self.layer_ids = list(layer_ids)
         self.moe = resolve_moe(moe, self.device, self.dtype)
+        self._grouped_ok = self.moe == "gathered" and grouped_usable(self.device, self.dtype)
+        self.routing = None  # set to a list to record each sparse layer's expert choices (eager calls)
         self.layer_types = list(cfg.layer_types)
         self.layers = [_prepare_layer(layer, t, cfg.sliding_window) for layer, t in zip(target.model.layers, self.layer_types)]
         nkv, hd = cfg.num_key_value_heads, self.layers[0].attn.head_dim
@@ -202,7 +218,14 @@ class StaticTarget:
         return (routed * mlp.routed_scaling_factor + shared).view(B, Q, H)
 
     def _experts(self, experts, x: torch.Tensor, selected: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        if self.moe == "grouped":
+        if self.routing is not None:  # eager diagnostics only (a list of each sparse layer's choices)
+            self.routing.append(selected)
+        moe = self.moe
+        if moe == "gathered" and selected.numel() > GROUPED_FROM_PAIRS and self._grouped_ok:
+            moe = "grouped"  # chosen by token count: a long prefill is compute-bound, grouped GEMM tiles pay there
+        if moe == "gathered":
+            return gathered_experts(experts, x, selected, weights)
+        if moe == "grouped":
             return grouped_experts(experts, x, selected, weights)
         return dense_experts(experts, x, selected, weights)
 
@@ -218,13 +241,14 @@ class StaticTarget:
         m = self.model.model
         h = m.embed_tokens(ids)
         rope = {t: m.rotary_emb(h, positions, t) for t in set(self.layer_types)}  # (B, Q, rd) cos, sin
-        windows = {lay.window for lay in self.layers}
-        groups = self.config.num_attention_heads // self.config.num_key_value_heads
-        bias = {w: grouped_mask(self._bias(positions, w), groups, *ids.shape) for w in windows}  # once per forward, every layer
+        masks = {lay.window: self._bias(positions, lay.window) for lay in self.layers}
+        bias = {(lay.window, lay.groups): grouped_mask(masks[lay.window], lay.groups, *ids.shape)
+                for lay in self.layers}  # once per forward for every layer; per-layer head counts differ in groups
         captured = {}
         for i, lay in enumerate(self.layers):
             cos, sin = rope[lay.layer_type]
-            h = h + self._attention(lay, i, triton_ops.norm(lay.input_norm, h), cos, sin, positions, bias[lay.window])
+            h = h + self._attention(lay, i, triton_ops.norm(lay.input_norm, h), cos, sin, positions,
+                                    bias[lay.window, lay.groups])
             h = h + self._mlp(lay, triton_ops.norm(lay.post_norm, h))
             if i in self.layer_ids:
                 captured[i] = h

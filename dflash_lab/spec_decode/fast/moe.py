@@ -1,0 +1,164 @@
+"""Routed experts that read only the experts the tokens chose, with static shapes (CUDA-graph capturable).
+
+A decode step routes N tokens to k of E experts each. A real engine (vLLM's fused MoE)
+reads the weights of the experts that were chosen and no others: at Laguna-XS.2's shape
+(256 experts of 3 x 512 x 2048) one token touches 8 experts, 48 MB a layer, against
+1.5 GB for all of them. This module does the same, without a host sync:
+
+    align       the N*k (token, slot) pairs sorted by expert, each expert's run padded to
+                a multiple of ``BLOCK_M`` rows, so that every block of BLOCK_M rows
+                belongs to one expert (vLLM calls this step ``moe_align_block_size``).
+                The number of blocks is data-dependent; its upper bound
+                ceil(N*k / BLOCK_M) + min(E, N*k) is not, so the shapes are static and
+                blocks past the used ones are skipped on the device
+    gemm        one kernel per projection: program (block, column tile) reads its
+                expert's weight tile once and multiplies it with the block's rows
+                (gathered from the tokens for gate/up, from the padded rows for down).
+                A block of B tokens therefore reads each DISTINCT expert it touches
+                once (a few times more only when an expert holds more than BLOCK_M rows)
+
+On CUDA the GEMMs are a Triton kernel; elsewhere (and as the reference) the same
+blocks run as one batched matmul over the block experts' weights, exact in float32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:  # Triton is a GPU-side extra
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the machine
+    triton = None
+
+BLOCK_M = 16  # rows per block: the smallest tile tl.dot takes
+
+
+def block_bound(pairs: int, n_experts: int, block_m: int = BLOCK_M) -> int:
+    """Most blocks ``pairs`` (token, expert) pairs can fill: every expert's last block may be partial."""
+    return -(-pairs // block_m) + min(n_experts, pairs)
+
+
+def align(selected: torch.Tensor, n_experts: int, block_m: int = BLOCK_M):
+    """selected (N, k) expert ids -> (row_pair, block_expert, used_blocks).
+
+    row_pair (n_blocks * block_m,): the pair index (token * k + slot) each padded row holds, or
+    N*k on padding rows; block_expert (n_blocks,): the expert of each block (clamped to E-1 past
+    the used ones); used_blocks (1,): how many blocks hold rows. Every op runs on the device.
+    """
+    P = selected.numel()
+    dev = selected.device
+    n_blocks = block_bound(P, n_experts, block_m)
+    flat = selected.reshape(-1)
+    counts = torch.zeros(n_experts, dtype=torch.long, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
+    blocks = (counts + block_m - 1) // block_m  # blocks per expert
+    block_end = torch.cumsum(blocks, 0)  # (E,)
+    first_pair = torch.cumsum(counts, 0) - counts  # where each expert's pairs start in sorted order
+    order = torch.argsort(flat, stable=True)  # pairs grouped by expert
+    expert_of = flat[order]
+    rank = torch.arange(P, device=dev) - first_pair[expert_of]  # rank of the pair within its expert
+    dest = (block_end - blocks)[expert_of] * block_m + rank  # its padded row
+    row_pair = torch.full((n_blocks * block_m,), P, dtype=torch.long, device=dev).scatter_(0, dest, order)
+    block_expert = torch.searchsorted(block_end, torch.arange(n_blocks, device=dev), right=True)
+    return row_pair, block_expert.clamp_(max=n_experts - 1), block_end[-1:]
+
+
+def _blocks_matmul(a: torch.Tensor, w: torch.Tensor, block_expert: torch.Tensor, block_m: int) -> torch.Tensor:
+    """Reference: rows a (n_blocks * block_m, K) times their block expert's w (E, N_out, K)^T."""
+    a = a.view(-1, block_m, a.shape[-1])
+    return torch.bmm(a, w[block_expert].transpose(1, 2)).reshape(-1, w.shape[1])
+
+
+if triton is not None:
+
+    @triton.jit
+    def _block_gemm_kernel(a_ptr, a_index_ptr, w_ptr, out_ptr, out_index_ptr, row_pair_ptr, block_expert_ptr,
+                           used_ptr, scale_ptr, P, N_OUT, K, stride_a, stride_we, stride_wn, stride_out,
+                           HAS_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                           BLOCK_K: tl.constexpr):
+        """out[out_index[r]] = a[a_index[r]] @ w[e]^T (* scale[pair]) for the rows r of one block of expert e."""
+        pid_m = tl.program_id(0)
+        if pid_m >= tl.load(used_ptr):
+            return
+        e = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        pair = tl.load(row_pair_ptr + rows)
+        valid = pair < P
+        a_rows = tl.load(a_index_ptr + rows, mask=valid, other=0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        ks = tl.arange(0, BLOCK_K)
+        a_ptrs = a_ptr + a_rows[:, None] * stride_a + ks[None, :]
+        w_ptrs = w_ptr + e * stride_we + cols[None, :].to(tl.int64) * stride_wn + ks[:, None]
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kmask = (k0 + ks) < K
+            a = tl.load(a_ptrs, mask=valid[:, None] & kmask[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=kmask[:, None] & (cols[None, :] < N_OUT), other=0.0)
+            acc = tl.dot(a, w, acc)
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        if HAS_SCALE:
+            acc = acc * tl.load(scale_ptr + pair, mask=valid, other=0.0).to(tl.float32)[:, None]
+        out_rows = tl.load(out_index_ptr + rows, mask=valid, other=0).to(tl.int64)
+        out_ptrs = out_ptr + out_rows[:, None] * stride_out + cols[None, :]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & (cols[None, :] < N_OUT))
+
+
+def _block_gemm(a, a_index, w, out, out_index, row_pair, block_expert, used, scale, pairs: int) -> None:
+    n_out, K = w.shape[1], w.shape[2]
+    assert a.stride(-1) == 1 and w.stride(-1) == 1 and out.stride(-1) == 1
+    block_n, block_k = 64, 128
+    grid = (block_expert.shape[0], triton.cdiv(n_out, block_n))
+    _block_gemm_kernel[grid](a, a_index, w, out, out_index, row_pair, block_expert, used,
+                             scale if scale is not None else a, pairs, n_out, K, a.stride(0), w.stride(0), w.stride(1),
+                             out.stride(0), HAS_SCALE=scale is not None, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
+                             BLOCK_K=block_k, num_warps=4, num_stages=3)
+
+
+def kernel_runs(x: torch.Tensor) -> bool:
+    """Whether the Triton kernel serves ``x``: bf16/fp16 on CUDA (float32 would round through TF32 there)."""
+    return triton is not None and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+
+
+def gathered_experts(experts, x: torch.Tensor, selected: torch.Tensor, weights: torch.Tensor, *,
+                     kernel: bool | None = None) -> torch.Tensor:
+    """The routed experts over the chosen (token, expert) pairs only, block by block. x (N, H) -> (N, H).
+
+    ``experts`` has gate_up_proj (E, 2I, H), down_proj (E, H, I) and act_fn (transformers'
+    ``LagunaExperts``); selected, weights (N, k). kernel=None: the Triton kernel where
+    ``kernel_runs``, else the batched-matmul reference (the same blocks, exact in float32).
+    """
+    N, k = selected.shape
+    P = N * k
+    w_gu, w_down = experts.gate_up_proj, experts.down_proj
+    row_pair, block_expert, used = align(selected, w_gu.shape[0])
+    valid = row_pair < P
+    token_of_row = torch.where(valid, row_pair // k, 0)
+    x = x.contiguous()
+    use_kernel = kernel_runs(x) if kernel is None else kernel
+    if use_kernel:
+        rows = torch.arange(row_pair.numel(), device=x.device)
+        h = torch.empty(row_pair.numel(), w_gu.shape[1], device=x.device, dtype=x.dtype)
+        _block_gemm(x, token_of_row, w_gu, h, rows, row_pair, block_expert, used, None, P)
+        gate, up = h.chunk(2, dim=-1)
+        act = experts.act_fn(gate) * up  # padding rows hold garbage; the next GEMM never reads them
+        out = torch.empty(P, w_down.shape[1], device=x.device, dtype=x.dtype)  # every pair is one row: all written
+        _block_gemm(act, rows, w_down, out, row_pair, row_pair, block_expert, used, weights.reshape(-1), P)
+    else:
+        a = x[token_of_row] * valid[:, None].to(x.dtype)
+        gate, up = _blocks_matmul(a, w_gu, block_expert, BLOCK_M).chunk(2, dim=-1)
+        o = _blocks_matmul(experts.act_fn(gate) * up, w_down, block_expert, BLOCK_M)  # (rows, H)
+        o = o * weights.reshape(-1)[row_pair.clamp(max=P - 1)][:, None]
+        out = torch.zeros(P + 1, o.shape[-1], device=x.device, dtype=o.dtype).index_add_(0, row_pair, o)[:P]
+    return out.view(N, k, -1).sum(dim=1)
+
+
+def distinct_experts(selected: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """(..., N, k) expert ids -> (...,) how many distinct experts each group of N tokens touches."""
+    hit = torch.zeros(*selected.shape[:-2], n_experts, dtype=torch.bool, device=selected.device)
+    return hit.scatter_(-1, selected.flatten(-2), True).sum(-1)
+
+
+def uniform_distinct(tokens: int, k: int, n_experts: int) -> float:
+    """Expected distinct experts for ``tokens`` tokens each picking k distinct experts uniformly at random."""
+    return n_experts * (1.0 - (1.0 - k / n_experts) ** tokens)

@@ -1,0 +1,118 @@
+"""The static path's routed experts that read only the chosen experts (``spec_decode.fast.moe``).
+
+On the CPU, in float32, the blocked computation must equal ``dense_experts`` (every expert
+over every token, then the chosen k) on random routing with experts chosen by several
+tokens and experts chosen by none; the Triton kernel itself is checked in Triton's CPU
+interpreter.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from dflash_lab.spec_decode.fast.moe import (
+    BLOCK_M, align, block_bound, distinct_experts, gathered_experts, uniform_distinct,
+)
+from dflash_lab.spec_decode.fast.static_target import MOE_IMPLEMENTATIONS, dense_experts, resolve_moe
+
+try:
+    import triton  # noqa: F401
+except ImportError:  # pragma: no cover
+    triton = None
+
+
+def experts(n_experts=12, hidden=32, width=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return SimpleNamespace(gate_up_proj=torch.randn(n_experts, 2 * width, hidden, generator=g),
+                           down_proj=torch.randn(n_experts, hidden, width, generator=g),
+                           act_fn=torch.nn.functional.silu)
+
+
+def routing(tokens, k, pool, seed):
+    """Each token picks k distinct experts among the first ``pool`` (so the others get no tokens)."""
+    g = torch.Generator().manual_seed(seed)
+    selected = torch.stack([torch.randperm(pool, generator=g)[:k] for _ in range(tokens)])
+    return selected, torch.rand(tokens, k, generator=g)
+
+
+@pytest.mark.parametrize("tokens,k,pool", [(1, 4, 12), (5, 3, 6), (40, 4, 7), (3, 1, 2), (17, 8, 12)])
+def test_gathered_equals_dense_in_float32(tokens, k, pool):
+    ex = experts()
+    selected, weights = routing(tokens, k, pool, seed=tokens)
+    x = torch.randn(tokens, 32, generator=torch.Generator().manual_seed(1))
+    out = gathered_experts(ex, x, selected, weights, kernel=False)
+    torch.testing.assert_close(out, dense_experts(ex, x, selected, weights), rtol=1e-5, atol=1e-4)
+    assert distinct_experts(selected, 12).item() < 12 or pool == 12  # some experts had no token
+
+
+def test_align_puts_every_pair_once_in_a_block_of_its_expert():
+    selected, _ = routing(23, 4, 9, seed=3)
+    n_experts = 12
+    row_pair, block_expert, used = align(selected, n_experts)
+    P = selected.numel()
+    assert row_pair.numel() == block_bound(P, n_experts) * BLOCK_M  # static: a function of N*k and E only
+    real = row_pair[row_pair < P]
+    assert sorted(real.tolist()) == list(range(P))  # each pair exactly once
+    flat = selected.reshape(-1)
+    for b in range(int(used)):
+        pairs = row_pair[b * BLOCK_M:(b + 1) * BLOCK_M]
+        pairs = pairs[pairs < P]
+        assert len(pairs) > 0 and bool((flat[pairs] == block_expert[b]).all())
+    assert bool((row_pair[int(used) * BLOCK_M:] == P).all())  # blocks past the used ones hold nothing
+    assert int(used) == sum(-(-int((flat == e).sum()) // BLOCK_M) for e in range(n_experts))
+
+
+def test_distinct_experts_and_the_uniform_expectation():
+    selected = torch.tensor([[0, 1], [1, 2], [0, 2]])
+    assert distinct_experts(selected, 8).item() == 3
+    assert distinct_experts(torch.stack([selected, selected + 3]), 8).tolist() == [3, 3]
+    assert uniform_distinct(1, 8, 256) == pytest.approx(8)
+    grows = [uniform_distinct(b, 8, 256) for b in (1, 4, 8, 16, 64)]
+    assert grows == sorted(grows) and grows[-1] < 256  # more tokens share experts, never more than E
+
+
+def test_auto_is_exact_dense_on_the_cpu():
+    assert "gathered" in MOE_IMPLEMENTATIONS
+    assert resolve_moe("auto", torch.device("cpu"), torch.float32) == "dense"
+    with pytest.raises(ValueError, match="moe must be one of"):
+        resolve_moe("sparse", torch.device("cpu"), torch.float32)
+
+
+INTERPRETER_SCRIPT = """
+import json, torch
+from types import SimpleNamespace
+from dflash_lab.spec_decode.fast.moe import gathered_experts
+from dflash_lab.spec_decode.fast.static_target import dense_experts
+errs = []
+for tokens, k, pool, seed in [(1, 4, 12, 0), (6, 3, 5, 1), (33, 2, 12, 2)]:
+    g = torch.Generator().manual_seed(seed)
+    ex = SimpleNamespace(gate_up_proj=torch.randn(12, 32, 40, generator=g), down_proj=torch.randn(12, 40, 16, generator=g),
+                         act_fn=torch.nn.functional.silu)
+    sel = torch.stack([torch.randperm(pool, generator=g)[:k] for _ in range(tokens)])
+    w = torch.rand(tokens, k, generator=g)
+    x = torch.randn(tokens, 40, generator=g)
+    ref = dense_experts(ex, x, sel, w)
+    out = gathered_experts(ex, x, sel, w, kernel=True)
+    errs.append(((out - ref).abs().max() / ref.abs().max()).item())
+print(json.dumps(errs))
+"""
+
+
+@pytest.mark.skipif(triton is None, reason="needs Triton")
+def test_the_kernel_in_the_triton_interpreter(tmp_path):
+    """The real kernel source (K not a multiple of its tile, N_out not a multiple of its tile), on the CPU."""
+    script = tmp_path / "moe_interp.py"
+    script.write_text(INTERPRETER_SCRIPT)
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300,
+                          cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    errs = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(errs) == 3 and max(errs) < 1e-5
