@@ -20,8 +20,12 @@ block, as Poolside ships Laguna-S-2.1-DFlash), in ``checkpoints/laguna-tiny-code
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import torch
 
+from .pair_files import check_pair_files, weight_files
 from .runtime import (
     CHECKPOINTS_DIR, DEFAULT_DRAFTER, DEFAULT_TARGET, DEVICE_ENV, DOCSTRING_PROMPTS, DRAFTER_ENV, HELDOUT_PROMPTS, TARGET_ENV,
     drafter_path, load_tokenizer, resolve_device, resolve_device_and_dtype, target_path,
@@ -29,8 +33,42 @@ from .runtime import (
 
 
 # The shipped drafters by name: the default one (the paper's recipe; $DFLASH_LAB_DRAFTER replaces it),
-# and Poolside's sliding-window, causal one.
+# and Poolside's sliding-window, causal one (trained for the shipped target only).
 DRAFTERS = {"paper": DEFAULT_DRAFTER, "poolside": CHECKPOINTS_DIR / "laguna-tiny-code-dflash-poolside"}
+DRAFTER2_ENV = "DFLASH_LAB_DRAFTER2"  # a second drafter for the target in use (chapters that compare two)
+
+
+def is_shipped_target() -> bool:
+    """True when the target in use ($DFLASH_LAB_TARGET, else the shipped one) is the shipped target."""
+    return target_path().resolve() == DEFAULT_TARGET.resolve()
+
+
+def is_shipped_pair() -> bool:
+    """True when both the target and the drafter in use are the shipped ones (committed records belong to it)."""
+    return is_shipped_target() and drafter_path().resolve() == DEFAULT_DRAFTER.resolve()
+
+
+def pair_drafters() -> dict[str, Path]:
+    """The drafters that belong to the target in use, by role: ``"paper"`` is $DFLASH_LAB_DRAFTER (else the shipped
+    default); ``"poolside"`` is $DFLASH_LAB_DRAFTER2, else the shipped Poolside-style drafter when the target is the
+    shipped one, else absent (a drafter trained for another target would not fit this one)."""
+    out = {"paper": drafter_path()}
+    second = os.environ.get(DRAFTER2_ENV)
+    if second:
+        out["poolside"] = Path(second)
+    elif is_shipped_target():
+        out["poolside"] = DRAFTERS["poolside"]
+    return out
+
+
+def second_drafter_missing() -> str | None:
+    """None when the target in use has a second drafter; else the sentence a chapter prints when it skips a
+    comparison of two drafters."""
+    if "poolside" in pair_drafters():
+        return None
+    return (f"the target in use ({target_path()}) is not the shipped one and ${DRAFTER2_ENV} is not set, so there "
+            f"is no second drafter to compare with (the shipped Poolside-style drafter was trained for the shipped "
+            f"target only); set ${DRAFTER2_ENV} to a second drafter for this target to run the comparison")
 
 
 def default_device() -> torch.device:
@@ -49,18 +87,20 @@ def load_default_pair(device=None, *, dtype: torch.dtype | None = None, drafter:
     """
     if drafter not in DRAFTERS:
         raise ValueError(f"load_default_pair: `drafter` must be one of {sorted(DRAFTERS)}, got {drafter!r}")
+    if drafter not in pair_drafters():
+        raise FileNotFoundError(f"load_default_pair(drafter={drafter!r}): {second_drafter_missing()}")
     from .checkpoint import load_drafter
     from .target import load_target
 
     device, dtype = resolve_device_and_dtype(device if device is not None else default_device(), dtype, "load_default_pair")
-    tpath, dpath = target_path(), drafter_path() if drafter == "paper" else DRAFTERS[drafter]
-    if drafter != "paper" and not dpath.is_dir():
-        raise FileNotFoundError(f"the {drafter!r} drafter checkpoint directory {dpath} does not exist")
-    for what, path, env in (("target", tpath, TARGET_ENV), ("drafter", dpath, DRAFTER_ENV)):
+    tpath, dpath = target_path(), pair_drafters()[drafter]
+    for what, path, env in (("target", tpath, TARGET_ENV),
+                            ("drafter", dpath, DRAFTER_ENV if drafter == "paper" else DRAFTER2_ENV)):
         if not path.is_dir():
             raise FileNotFoundError(f"{what} checkpoint directory {path} does not exist (set ${env} to point elsewhere)")
     if dtype is None and device.type == "cpu":
         dtype = torch.float32
+    check_pair_files(tpath, dpath)  # a missing shard or a misfit drafter is named before anything loads
     target = load_target(tpath, device=device, dtype=dtype)
     drafter = load_drafter(dpath, device=device, dtype=dtype or next(target.parameters()).dtype)
     drafter.config.validate_against_target(target.config)
@@ -83,26 +123,40 @@ def docstring_prompts(path=None) -> list[dict]:
 
 
 def pair_fingerprint() -> dict:
-    """Which shipped pair a record was measured on: the first 12 hex digits of each checkpoint's weights'
-    SHA-256, and each drafter's depth. Benchmarks store it; chapters compare it with the checkpoints here."""
+    """Which pair a record was measured on: the first 12 hex digits of the SHA-256 over each checkpoint's weight
+    files (every shard, in name order), and each drafter's depth. Benchmarks store it; chapters compare it with the
+    pair in use, so a record of the shipped pair is never shown as a user's."""
     import hashlib
     import json
 
     def digest(directory) -> str:
         h = hashlib.sha256()
-        with open(directory / "model.safetensors", "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                h.update(chunk)
+        for file in weight_files(directory):
+            with open(file, "rb") as f:
+                for chunk in iter(lambda: f.read(1 << 20), b""):
+                    h.update(chunk)
         return h.hexdigest()[:12]
 
     out = {"target": digest(target_path())}
-    for name, directory in DRAFTERS.items():
+    for name, directory in pair_drafters().items():
         layers = json.loads((directory / "config.json").read_text())["num_hidden_layers"]
         out[name] = {"weights": digest(directory), "num_hidden_layers": layers}
     return out
 
 
 def measured_on_this_pair(record: dict) -> bool:
-    """True when ``record["pair"]`` (a benchmark's ``pair_fingerprint()``) is the pair in checkpoints/."""
+    """True when ``record["pair"]`` (a benchmark's ``pair_fingerprint()``) is the pair in use."""
     return record.get("pair") == pair_fingerprint()
+
+
+def record_note(record: dict) -> str | None:
+    """None when a committed benchmark ``record`` was measured on the pair in use; else the phrase a chapter
+    prints beside its numbers, naming whose they are (never presented as the user's)."""
+    if measured_on_this_pair(record):
+        return None
+    depth = ((record.get("pair") or {}).get("paper") or {}).get("num_hidden_layers", "?")
+    if is_shipped_pair():
+        return f"a committed run on an earlier shipped pair ({depth}-layer drafter), not these checkpoints"
+    return (f"the shipped pair's committed run, not your pair ({target_path().name}): re-run the benchmark on your "
+            "pair to measure it")
 

@@ -22,14 +22,14 @@ import torch
 from dflash_lab.kv_cache import specs as kv_specs
 from dflash_lab import presets
 from dflash_lab.config import read_json  # the lab's one config.json reader
-from dflash_lab.runtime import drafter_path, target_path
+from dflash_lab.runtime import DEFAULT_DRAFTER, DEFAULT_TARGET, drafter_path, target_path
 
 # ``shipped``: the lab's own pair, from its config.json files (``drafter_layers``: the shipped drafter
 # made that many layers deep); ``pair`` names a real Poolside pair in ``presets.DRAFTER_PRESETS``;
 # ``mtp`` says the drafter is an MTP block (a copy of a target layer, whose marker the lab can switch).
 PRESETS = {
-    "shipped_pair": dict(label="the shipped pair (tiny Laguna code + its DFlash drafter)", method="dflash",
-                         model_type="laguna", shipped=True),
+    "shipped_pair": dict(label="the pair in use (by default the shipped tiny Laguna code + its DFlash drafter)",
+                         method="dflash", model_type="laguna", shipped=True),
     "shipped_target_4_layer_drafter": dict(label="the shipped target + a 4-layer drafter (the split case)",
                                            method="dflash", model_type="laguna", shipped=True, drafter_layers=4),
     "laguna_xs2_dflash": dict(label="Laguna-XS.2 + XS-2.1-DFlash (shape)", method="dflash", model_type="laguna",
@@ -64,8 +64,11 @@ def preset_specs(name: str, *, drafter_sliding: bool = False, mark_draft: bool =
     if "pair" in PRESETS[name]:
         return poolside_pair_specs(PRESETS[name]["pair"])
     if PRESETS[name].get("shipped"):
-        return kv_specs.laguna_dflash_specs(load_config(target_path()),
-                                            shipped_drafter_config(PRESETS[name].get("drafter_layers")))
+        depth = PRESETS[name].get("drafter_layers")
+        if depth is None:  # the pair in use
+            return kv_specs.laguna_dflash_specs(load_config(target_path()), shipped_drafter_config())
+        # the worked split case is the shipped pair's, whatever pair is in use
+        return kv_specs.laguna_dflash_specs(load_config(DEFAULT_TARGET), shipped_drafter_config(depth, path=DEFAULT_DRAFTER))
     if name == "laguna_dflash":
         return kv_specs.laguna_dflash_specs(drafter_sliding=drafter_sliding)
     if name == "qwen3_5_mtp":
@@ -73,15 +76,16 @@ def preset_specs(name: str, *, drafter_sliding: bool = False, mark_draft: bool =
     return kv_specs.deepseek_v4_specs(mark_draft=mark_draft)
 
 
-def shipped_drafter_config(num_layers: int | None = None) -> dict:
-    """The shipped drafter's config.json; with ``num_layers``, the same drafter made that many layers deep.
+def shipped_drafter_config(num_layers: int | None = None, *, path: str | Path | None = None) -> dict:
+    """The drafter in use's config.json (``path``: another drafter directory); with ``num_layers``, the same
+    drafter made that many layers deep.
 
     Only the depth changes: ``num_hidden_layers`` and the per-layer lists (``layer_types``,
     ``mlp_layer_types``, ``num_attention_heads_per_layer``), cut short or extended with their
     last entry. Heads, head dim and dtype stay the shipped drafter's, so the pages stay the same
     size and only the layer counts reach vLLM's grouping.
     """
-    config = load_config(drafter_path())
+    config = load_config(drafter_path() if path is None else path)
     if num_layers is None:
         return config
     n = kv_specs.positive_int(num_layers, "num_layers", "arguments")

@@ -16,9 +16,9 @@ import torch
 from tqdm.auto import tqdm
 
 from ..assets import heldout_prompts, load_default_pair
-from ..runtime import BENCHMARKS_DIR, device_name, resolve_device
+from ..runtime import device_name, resolve_device
 from ..spec_decode import SpecDecodeStats, speculative_generate
-from .bench_common import write_results
+from .bench_common import OUT_HELP, pair_out_dir, write_results
 
 
 def measure_acceptance(*, device, block_sizes, n_prompts: int | None, max_new_tokens: int, progress=print) -> list[dict]:
@@ -81,7 +81,7 @@ def acceptance(args) -> int:
     result = {"max_new_tokens": args.max_new_tokens, "rows": rows,
               "command": "python -m dflash_lab.tools.bench acceptance" + (" --quick" if args.quick else "")}
     md = acceptance_markdown(result)
-    paths = write_results(args.out, "acceptance_quick" if args.quick else "acceptance", result, md)
+    paths = write_results(pair_out_dir(args.out), "acceptance_quick" if args.quick else "acceptance", result, md)
     print(md)
     print("wrote", *paths)
     return 0
@@ -94,5 +94,5 @@ def add_command(subparsers) -> None:
     p.add_argument("--prompts", type=int, help="first N held-out prompts (default all)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--device", help="default: $DFLASH_LAB_DEVICE, else cuda when present")
-    p.add_argument("--out", default=str(BENCHMARKS_DIR), help="output folder (default benchmarks/)")
+    p.add_argument("--out", default=None, help=OUT_HELP)
     p.set_defaults(func=acceptance)

@@ -8,7 +8,23 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..runtime import atomic_file, write_json
+from ..runtime import REPO_ROOT, atomic_file, target_path, write_json
+
+OUT_HELP = "output folder (default: benchmarks/ for the shipped pair, runs/benchmarks/<target>/ for another pair)"
+
+
+def pair_out_dir(out=None) -> Path:
+    """``out`` when given; else benchmarks/ for the shipped pair and runs/benchmarks/<target dir name>/ for any
+    other: the committed records belong to the shipped pair, and a run on your pair never overwrites them."""
+    from ..assets import is_shipped_pair
+
+    if out is not None:
+        return Path(out)
+    if is_shipped_pair():
+        return REPO_ROOT / "benchmarks"
+    folder = REPO_ROOT / "runs" / "benchmarks" / target_path().resolve().name
+    print(f"the pair in use is not the shipped one: results go to {folder} (benchmarks/ holds the shipped pair's)")
+    return folder
 
 # ---------------------------------------------------------------------------
 # Writing results

@@ -16,11 +16,11 @@ import time
 
 import torch
 
-from ..assets import DRAFTERS, heldout_prompts, load_default_pair, pair_fingerprint
+from ..assets import heldout_prompts, load_default_pair, pair_drafters, pair_fingerprint, second_drafter_missing
 from ..measure.drafters import compare_drafters, markdown, window_markdown, window_study
-from ..runtime import BENCHMARKS_DIR, DOCSTRING_PROMPTS, device_name, resolve_device
+from ..runtime import DOCSTRING_PROMPTS, device_name, resolve_device
 from ..train.evaluate import update_training_log
-from .bench_common import write_results
+from .bench_common import OUT_HELP, pair_out_dir, write_results
 
 
 def drafters(args) -> int:
@@ -29,6 +29,9 @@ def drafters(args) -> int:
     torch.set_num_threads(args.threads) if args.threads else None
     n = args.prompts or (8 if args.quick else None)
     blocks = args.block_sizes or ([16] if args.quick else [4, 8, 16])
+    if second_drafter_missing():  # the comparison needs two drafters of the target in use
+        raise SystemExit(f"bench drafters compares two drafters: {second_drafter_missing()}")
+    args.out = pair_out_dir(args.out)
     target, paper, tokenizer = load_default_pair(device=device, drafter="paper")
     poolside = load_default_pair(device=device, drafter="poolside")[1]
     sets = {"held-out": heldout_prompts()[:n], "docstring-first": heldout_prompts(DOCSTRING_PROMPTS)[:n]}
@@ -60,7 +63,7 @@ def drafters(args) -> int:
     if args.update_logs and not args.quick:
         for name in ("paper", "poolside"):
             held_out = result["sets"]["held-out"]["drafters"][name]
-            print("updated", update_training_log(DRAFTERS[name], {bs: r["record"] for bs, r in held_out.items()},
+            print("updated", update_training_log(pair_drafters()[name], {bs: r["record"] for bs, r in held_out.items()},
                                                  device))
     return 0
 
@@ -76,5 +79,5 @@ def add_command(subparsers) -> None:
                    help="only the long-prompt study: full vs cut prompts, the sliding drafter's window removed")
     p.add_argument("--update-logs", action="store_true", help="write the held-out numbers into the training logs")
     p.add_argument("--device", help="default: $DFLASH_LAB_DEVICE, else cuda when present")
-    p.add_argument("--out", default=str(BENCHMARKS_DIR), help="output folder (default benchmarks/)")
+    p.add_argument("--out", default=None, help=OUT_HELP)
     p.set_defaults(func=drafters)

@@ -38,12 +38,12 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from ..assets import docstring_prompts, heldout_prompts, load_default_pair, pair_fingerprint
+from ..assets import docstring_prompts, heldout_prompts, load_default_pair, pair_drafters, pair_fingerprint
 from ..runtime import (
-    BENCHMARKS_DIR, DOCSTRING_PROMPTS, HELDOUT_PROMPTS, REPO_ROOT, device_name, resolve_device, synchronized_time,
+    DOCSTRING_PROMPTS, HELDOUT_PROMPTS, REPO_ROOT, device_name, resolve_device, synchronized_time,
 )
 from ..spec_decode import SpecDecodeStats, speculative_generate
-from .bench_common import write_results
+from .bench_common import OUT_HELP, pair_out_dir, write_results
 from ..measure.decoding import PROMPT_SETS, measure_fast_decoding, phase_breakdown, prompt_set_of, records_of, speedups
 from .bench_fast_decode import PROMPT_SET_TEXT, fast_markdown
 from .bench_xs2 import layer_read_floor_ms, project_graphed, xs2_graphed_times
@@ -321,7 +321,7 @@ def spec_decode(args) -> int:
           f"{n_prompts} prompts each x {max_new} tokens", flush=True)
     log = lambda s: print(s, flush=True)  # noqa: E731
     stem = "spec_decode_quick" if args.quick else "spec_decode"
-    out = Path(args.out)
+    out = pair_out_dir(args.out)
     flags = (" --quick" if args.quick else "") + ("" if args.prompt_set == "both" else f" --prompt-set {args.prompt_set}")
     result = {"n_prompts": n_prompts, "max_new_tokens": max_new, "records": [], "prompt_sets": {},
               "pair": pair_fingerprint(), "command": "python -m dflash_lab.tools.bench spec-decode" + flags}
@@ -335,7 +335,9 @@ def spec_decode(args) -> int:
         return write_results(out, stem, result, spec_decode_markdown(result))
 
     target, drafter, tokenizer = load_default_pair(device=device)
-    drafters = {"paper": drafter, "poolside": load_default_pair(device=device, drafter="poolside")[1]}
+    drafters = {"paper": drafter}  # and the second drafter where the target in use has one
+    if "poolside" in pair_drafters():
+        drafters["poolside"] = load_default_pair(device=device, drafter="poolside")[1]
     measured = []
     for s in sets:  # every set with the same prompt count, prompt length and new tokens
         prompts = prompt_ids(tokenizer, s, n_prompts, PROMPT_LENGTH, device)
@@ -416,5 +418,5 @@ def add_command(subparsers) -> None:
     p.add_argument("--eager-loop", action="store_true",
                    help="also time speculative_generate on held-out prompts (slow on a GPU)")
     p.add_argument("--device", help="default: $DFLASH_LAB_DEVICE, else cuda when present")
-    p.add_argument("--out", default=str(BENCHMARKS_DIR), help="output folder (default benchmarks/)")
+    p.add_argument("--out", default=None, help=OUT_HELP)
     p.set_defaults(func=spec_decode)
