@@ -32,9 +32,11 @@ from .config_keys import (  # noqa: F401  (re-exported: the lab's readers of vLL
     check_attention_sinks,
     config_key_table,
     layer_rope,
+    mask_token_key,
     resolve_rope_parameters,
     rope_resolution_table,
     target_layer_ids,
+    top_partial_rotary,
 )
 
 ARCHITECTURE = "DFlashLagunaForCausalLM"
@@ -184,9 +186,10 @@ class DFlashDrafterConfig:
         if not isinstance(dflash, dict):
             raise err("dflash_config", "is missing or not an object" if dflash is None else f"must be an object, got {dflash!r}")
         ids = target_layer_ids(d, dflash, err)
-        mask_id = get_int("mask_token_id", src=dflash, name="dflash_config.mask_token_id", minimum=0)
+        mask_src, mask_key, mask_name = mask_token_key(d, dflash)  # dflash_config's, else the top level's
+        mask_id = get_int(mask_key, src=mask_src, name=mask_name, minimum=0)
         if mask_id >= vocab:
-            raise err("dflash_config.mask_token_id", f"({mask_id}) is outside the vocabulary (draft_vocab_size {vocab})")
+            raise err(mask_name, f"({mask_id}) is outside the vocabulary (draft_vocab_size {vocab})")
         block = dflash.get("block_size", d.get("block_size", 16))
         if isinstance(block, bool) or not isinstance(block, int) or block < 2:
             raise err("dflash_config.block_size", f"must be an integer >= 2, got {block!r}")
@@ -199,9 +202,9 @@ class DFlashDrafterConfig:
         swa = d.get("swa_rope_parameters")
         if swa is not None and not isinstance(swa, dict):
             raise err("swa_rope_parameters", f"must be an object, got {swa!r}", TypeError)
-        top_factor = d.get("partial_rotary_factor")
+        top_factor, top_key = top_partial_rotary(d)  # partial_rotary_factor, or vLLM's older names for it
         if top_factor is not None and not (_positive_number(top_factor) and top_factor <= 1):
-            raise err("partial_rotary_factor", f"must be in (0, 1], got {top_factor!r}")
+            raise err(top_key, f"must be in (0, 1], got {top_factor!r}")
         # What vLLM serves: LagunaConfig's rope_parameters, then the layer's own pick
         # (its entry, swa_rope_parameters, a top-level partial_rotary_factor): config_keys.
         own, origin, _ = layer_rope(d, layer_types[0])
@@ -214,7 +217,7 @@ class DFlashDrafterConfig:
             own = {**own, "partial_rotary_factor": rope_dim / head_dim}
         factor = own.get("partial_rotary_factor", 1.0)
         theta = own.get("rope_theta", 10000.0)
-        factor_key = "partial_rotary_factor" if factor is top_factor else f"{origin}.partial_rotary_factor"
+        factor_key = top_key if factor is top_factor else f"{origin}.partial_rotary_factor"
         if not isinstance(factor, (int, float)) or isinstance(factor, bool) or not 0 < factor <= 1:
             raise err(factor_key, f"must be in (0, 1], got {factor!r}")
         if int(head_dim * factor) % 2:

@@ -16,8 +16,14 @@ The keys, in the order a layer reads them:
     swa_rope_parameters    a sliding layer takes this dict instead, when present
     partial_rotary_factor  (top level) added to the entry when the entry has none
     rope_dim               (in the entry) the rotated channels, overriding the factor
+    rotary_pct, rotary_emb_fraction   older names of the top-level factor: vLLM's
+                           ``patch_rope_parameters`` takes the first of partial_rotary_factor,
+                           rotary_pct, rotary_emb_fraction (``transformers_utils/config.py``:675-683)
     swa_attention_sink_enabled   a learned sink per head on sliding layers (:354-358, :485-488)
     eagle_aux_hidden_state_layer_ids / dflash_config.target_layer_ids   the layer ids
+    dflash_config.mask_token_id, else a top-level mask_token_id (and the other methods' names
+                           after it), as ``get_parallel_drafting_token_id``
+                           (``v1/worker/gpu/spec_decode/utils.py``:92-114)
 """
 
 from __future__ import annotations
@@ -32,9 +38,39 @@ DEFAULT_ROPE_PARAMETERS = {
 }
 # What get_rope assumes for a key the entry leaves out.
 GET_ROPE_DEFAULTS = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0}
+# The top-level rotary factor under the names vLLM reads, first present wins.
+PARTIAL_ROTARY_KEYS = ("partial_rotary_factor", "rotary_pct", "rotary_emb_fraction")
+# Where the mask token id is read, in vLLM's order (dflash_config's own key first).
+MASK_TOKEN_KEYS = ("mask_token_id", "dspark_noise_token_id", "pard_token", "ptd_token_id")
 SINK_KEY = "swa_attention_sink_enabled"
 AUX_KEY = "eagle_aux_hidden_state_layer_ids"
 IDS_KEY = "dflash_config.target_layer_ids"
+
+
+def top_partial_rotary(d: dict) -> tuple[object, str | None]:
+    """The top-level rotary factor and the key it came from, by vLLM's aliases (None, None: absent)."""
+    for key in PARTIAL_ROTARY_KEYS:
+        if d.get(key) is not None:
+            return d[key], key
+    return None, None
+
+
+def mask_token_key(d: dict, dflash: dict) -> tuple[dict, str, str]:
+    """(where, key, name for errors) of the mask token id, read as vLLM 0.33 reads it.
+
+    ``dflash_config.mask_token_id`` when the key is there, else a top-level ``mask_token_id``
+    (not null), else ``dspark_noise_token_id``, ``pard_token``, ``ptd_token_id``
+    (``v1/worker/gpu/spec_decode/utils.py``:99-109; V1: ``llm_base_proposer.py``:362-373).
+    Nothing found: ``dflash_config.mask_token_id`` is reported missing.
+    """
+    if "mask_token_id" in dflash:
+        return dflash, "mask_token_id", "dflash_config.mask_token_id"
+    if d.get("mask_token_id") is not None:
+        return d, "mask_token_id", "mask_token_id"
+    for key in MASK_TOKEN_KEYS[1:]:  # vLLM's hasattr: present counts, even as null (then refused)
+        if key in d:
+            return d, key, key
+    return dflash, "mask_token_id", "dflash_config.mask_token_id"
 
 
 def transformers_rope_parameters(d: dict) -> dict:
@@ -47,7 +83,11 @@ def transformers_rope_parameters(d: dict) -> dict:
 
     keys = ("rope_parameters", "rope_theta", "partial_rotary_factor", "layer_types", "num_hidden_layers",
             "head_dim", "hidden_size", "num_attention_heads")
-    return dict(LagunaConfig(**{k: d[k] for k in keys if k in d}).rope_parameters or {})
+    kwargs = {k: d[k] for k in keys if k in d}
+    top, _ = top_partial_rotary(d)  # vLLM's patch_rope_parameters renames an older alias before standardising
+    if top is not None:
+        kwargs["partial_rotary_factor"] = top
+    return dict(LagunaConfig(**kwargs).rope_parameters or {})
 
 
 def layer_rope(d: dict, layer_type: str) -> tuple[dict, str, str | None]:
@@ -63,9 +103,10 @@ def layer_rope(d: dict, layer_type: str) -> tuple[dict, str, str | None]:
     if layer_type == "sliding_attention" and swa is not None:
         entry, origin = dict(swa), "swa_rope_parameters"
     partial_from = origin if "partial_rotary_factor" in entry else None
-    if d.get("partial_rotary_factor") is not None and "partial_rotary_factor" not in entry:
-        entry["partial_rotary_factor"] = d["partial_rotary_factor"]
-        partial_from = "partial_rotary_factor (top level)"
+    top, top_key = top_partial_rotary(d)
+    if top is not None and "partial_rotary_factor" not in entry:
+        entry["partial_rotary_factor"] = top
+        partial_from = f"{top_key} (top level)"
     if "rope_dim" in entry:
         partial_from = f"{origin}.rope_dim"
     return entry, origin, partial_from
@@ -93,7 +134,7 @@ def _file_rope_entry(d: dict, layer_type: str) -> dict:
     nested = d.get("rope_parameters") if isinstance(d.get("rope_parameters"), dict) else {}
     entry = nested.get(layer_type) if isinstance(nested.get(layer_type), dict) else nested
     return {"rope_theta": entry.get("rope_theta", d.get("rope_theta")),
-            "partial_rotary_factor": entry.get("partial_rotary_factor", d.get("partial_rotary_factor"))}
+            "partial_rotary_factor": entry.get("partial_rotary_factor", top_partial_rotary(d)[0])}
 
 
 def rope_resolution_table(d: dict) -> list[dict]:
@@ -129,7 +170,7 @@ def target_layer_ids(d: dict, dflash: dict, err) -> list[int]:
     - The target collects ids in ascending layer order, so an unsorted list is sorted.
     The lab refuses two things vLLM lets through: the keys naming different layers (vLLM would
     capture the aux ids and size ``fc`` by the other list), and aux id 0 (the embedding output,
-    which vLLM captures before layer 0, ``laguna.py:651-653``; the lab captures layer outputs only).
+    which vLLM captures before layer 0, ``laguna.py:656-658``; the lab captures layer outputs only).
     ``err(key, message, exc=ConfigError)`` builds the error.
     """
     if "target_layer_ids" not in dflash or dflash["target_layer_ids"] is None:
@@ -148,7 +189,7 @@ def target_layer_ids(d: dict, dflash: dict, err) -> list[int]:
     if not isinstance(aux, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in aux):
         raise err(AUX_KEY, f"must be a list of integers, got {aux!r}", TypeError)
     if 0 in aux:
-        raise err(AUX_KEY, f"{aux} holds id 0, the embedding output: vLLM 0.33 captures it (laguna.py:651-653), "
+        raise err(AUX_KEY, f"{aux} holds id 0, the embedding output: vLLM 0.33 captures it (laguna.py:656-658), "
                   "but the lab's target captures layer outputs only (ids >= 1)")
     if any(i < 0 for i in aux) or len(set(aux)) != len(aux):
         raise err(AUX_KEY, f"must be distinct layer ids >= 1 (id L = the hidden state entering layer L), got {aux}")

@@ -333,7 +333,6 @@ CASES = [
          ValueError, r"path must be one of .* got 'fast'"),
     # --- generation arguments -----------------------------------------------
     Case("gen-block-size-below-2", generate(block_size=1), ValueError, r"block_size must be >= 2"),
-    Case("gen-block-size-above-drafter", generate(block_size=5), ValueError, r"block_size 5 is larger than the drafter supports \(its config\.block_size is 4\)"),
     Case("gen-empty-prompt", generate(prompt=()), ValueError, r"input_ids is empty"),
     Case("gen-token-outside-vocab", generate(prompt=(5, VOCAB)), ValueError, r"input_ids holds token id 128, outside the vocabulary"),
     Case("gen-negative-temperature", generate(temperature=-0.5), ValueError, r"temperature must be a finite number >= 0 .* got -0\.5"),

@@ -73,3 +73,40 @@ def test_chapter_2_cites_the_code_it_names():
             assert all(n in block for n in needles), f"`{path}:{a}-{b}` does not hold {needles}:\n{block}"
         if "rotary_embedding" in needles[0]:  # in place: the keys go in as the "query", key=None
             assert "None," in "\n".join(lines[spans(ranges)[0][0] - 1:spans(ranges)[0][1]])
+
+
+# Issue 31: the lines chapter 1 and the lab's modules cite for what vLLM reads, and the code there.
+# (file in the lab, vLLM file, line ranges as cited, what those lines must hold)
+REPO = SRC.parents[1]
+CODE_CITATIONS = [
+    ("notebooks/src/01_build_the_drafter.py", "laguna.py", "656-658", ["_maybe_add_hidden_state("]),
+    ("dflash_lab/config_keys.py", "laguna.py", "656-658", ["_maybe_add_hidden_state("]),
+    ("notebooks/src/01_build_the_drafter.py", "transformers_utils/config.py", "675-683",
+     ["rotary_pct", "rotary_emb_fraction", "config.partial_rotary_factor = partial_rotary_factor"]),
+    ("notebooks/src/01_build_the_drafter.py", "v1/worker/gpu/spec_decode/utils.py", "99-109",
+     ["dflash_config", "hf_config.mask_token_id"]),
+    ("notebooks/src/01_build_the_drafter.py", "config/speculative.py", "1614-1618",
+     ["`num_speculative_tokens` was not provided"]),
+    ("dflash_lab/spec_decode/loop.py", "config/speculative.py", "1614-1618",
+     ["`num_speculative_tokens` was not provided"]),
+    ("dflash_lab/spec_decode/sampling.py", "v1/spec_decode/llm_base_proposer.py", "1842-1851",
+     ["logits.div_(temperature", "We only use the temperature"]),
+    ("dflash_lab/spec_decode/sampling.py", "v1/worker/gpu/spec_decode/speculator.py", "460-476", ["apply_temperature=True"]),
+    ("dflash_lab/spec_decode/sampling.py", "rejection_sampler_utils.py", "168-181, 909-920", ["/ temp"]),
+    ("dflash_lab/spec_decode/sampling.py", "v1/spec_decode/llm_base_proposer.py", "257-260",
+     ['("standard", "fly")', '"probabilistic"']),
+    ("dflash_lab/spec_decode/sampling.py", "fly.py", "82-87", ['float("-inf")']),
+    ("dflash_lab/spec_decode/sampling.py", "fly.py", "149-156", ["draft_prob > 0", "target_prob > 0"]),
+    ("dflash_lab/spec_decode/sampling.py", "config/speculative.py", "2014-2030", ["fly_window_size"]),
+]
+
+
+@pytest.mark.parametrize("module, path, ranges, needles", CODE_CITATIONS,
+                         ids=[f"{m.rsplit('/', 1)[-1]}->{p}:{r}" for m, p, r, _ in CODE_CITATIONS])
+def test_issue_31_citations_name_the_code_they_describe(module, path, ranges, needles):
+    text = (REPO / module).read_text()
+    assert re.search(rf"{re.escape(path)}(``)?:{re.escape(ranges)}", text), f"{module} no longer cites {path}:{ranges}"
+    lines = resolve(vllm_root(), path).read_text().splitlines()
+    for a, b in spans(ranges):
+        block = "\n".join(lines[a - 1:b])
+        assert all(n in block for n in needles), f"`{path}:{a}-{b}` does not hold {needles}:\n{block}"

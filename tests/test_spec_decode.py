@@ -342,6 +342,57 @@ def test_draft_sample_method_decides_how_drafts_are_chosen(pair, monkeypatch, dr
     assert r.stats.draft_sample_method == draft_sample_method
 
 
+def test_sampled_drafts_and_their_q_use_the_temperature_only_as_vllms(pair, monkeypatch):
+    """Issue 31: vLLM drafts with the temperature only, for the draft sample and for q (V1's
+    compute_probs_and_sample_next_token, run here on the CPU; V2 the same); top-k / top-p shape
+    the target's p alone. With top_k=1 the target keeps one token, so a sampled draft off the
+    target's argmax is always rejected, while q still spreads over the whole vocabulary."""
+    from types import SimpleNamespace
+
+    from vllm.v1.spec_decode.llm_base_proposer import compute_probs_and_sample_next_token
+
+    target, drafter = pair
+    seen = []
+    original = spec_decode.loop._propose
+
+    def recording(*args, **kwargs):
+        draft, q = original(*args, **kwargs)
+        seen.append((draft, q))
+        return draft, q
+
+    logits_seen = []
+    original_logits = spec_decode.loop.dflash_draft_logits
+    monkeypatch.setattr(spec_decode.loop, "dflash_draft_logits",
+                        lambda *a, **k: logits_seen.append(original_logits(*a, **k)) or logits_seen[-1])
+    monkeypatch.setattr(spec_decode.loop, "_propose", recording)
+    T = 0.7
+    r = speculative_generate(target, drafter, PROMPTS[0], max_new_tokens=24, block_size=8, temperature=T, top_k=1,
+                             seed=5, draft_sample_method="probabilistic")
+    assert len(seen) == len(logits_seen) >= 3
+    for (_, q), logits in zip(seen, logits_seen):
+        metadata = SimpleNamespace(all_greedy=False, all_random=True, temperature=torch.full((logits.shape[0],), T),
+                                   top_k=torch.ones(logits.shape[0], dtype=torch.long), top_p=None)
+        _, vllm_q = compute_probs_and_sample_next_token(logits.clone(), metadata)
+        torch.testing.assert_close(q, vllm_q)
+        assert ((q > 0).sum(-1) > 1).all()  # not cut to the target's top-1
+    for step in r.steps[1:]:  # top_k=1: the target's kept set is its argmax, so only argmax drafts survive
+        assert step.draft_ids[:step.num_accepted] == step.target_argmax[:step.num_accepted]
+        if step.num_accepted < len(step.draft_ids):
+            assert step.draft_ids[step.num_accepted] != step.target_argmax[step.num_accepted]
+    assert r.output_ids.tolist() == target_greedy(target, PROMPTS[0], 24).tolist()  # top_k=1 is greedy, losslessly
+
+
+def test_a_block_larger_than_the_trained_one_runs_as_in_vllm(pair):
+    """vLLM checks num_speculative_tokens against nothing but the config's presence (issue 31):
+    the lab runs a block above dflash_config.block_size too, still the target's greedy output."""
+    target, drafter = pair
+    trained = drafter.config.block_size
+    r = speculative_generate(target, drafter, torch.tensor([PROMPTS[1]]), max_new_tokens=20, block_size=trained + 3)
+    assert torch.equal(r.output_ids, target_greedy(target, PROMPTS[1], 20))
+    assert len(r.stats.num_accepted_tokens_per_pos) == trained + 2
+    assert max(len(s.draft_ids) for s in r.steps) == trained + 2
+
+
 def test_greedy_decoding_records_no_draft_sample_method(pair):
     target, drafter = pair
     r = speculative_generate(target, drafter, PROMPTS[0], max_new_tokens=6, block_size=4)
@@ -492,9 +543,18 @@ def test_cache_crops_back_across_the_sliding_window(pair):
 # ---------------------------------------------------------------------------
 
 
+class CappedProposer:
+    """A proposer that says how large a block it can fill."""
+    max_block_size = 4
+
+    def propose(self, tokens, num_draft):
+        return []
+
+
 BAD_ARGS = [
     ("block-size-1", dict(block_size=1), ValueError, r"block_size must be >= 2"),
-    ("block-size-above-drafter", dict(block_size=9), ValueError, r"block_size 9 is larger than the drafter supports \(its config\.block_size is 8\)"),
+    ("block-size-above-proposer", dict(drafter=CappedProposer(), block_size=5), ValueError,
+     r"block_size 5 is larger than the drafter supports \(its max_block_size is 4\)"),
     ("block-size-not-int", dict(block_size=4.0), TypeError, r"block_size must be an integer"),
     ("empty-prompt", dict(input_ids=[]), ValueError, r"input_ids is empty"),
     ("prompt-too-long", dict(input_ids=[5] * 257), ValueError, r"input_ids has 257 tokens, longer than the target's max_position_embeddings \(256\)"),

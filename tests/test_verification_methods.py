@@ -225,6 +225,42 @@ def test_fly_at_greedy_keeps_a_deferred_draft_the_target_would_not_have_chosen()
     assert n == 0  # a window that is not all natively accepted does not defer
 
 
+def test_fly_at_greedy_defers_on_a_finite_target_logit_even_where_its_softmax_underflows():
+    """vLLM's greedy FLy kernel asks the target's raw logit of the draft to be above -inf
+    (v1/spec_decode/fly.py:82-87), not its probability: a logit 200 below the rest underflows to
+    p = 0 in float32 and still defers. Given no logits, fly_accept can only ask p > 0."""
+    V = 8
+    logits = torch.full((4, V), -200.0)
+    logits[0, :3] = 5.0  # uncertain at index 0: high top-3 entropy
+    logits[1:, 2] = 20.0
+    draft = torch.tensor([3, 2, 2])  # index 0: a token whose softmax is exactly 0 in float32
+    probs = logits.softmax(-1)
+    assert probs[0, 3] == 0 and logits[0, 3] > -math.inf
+    verifier = make_verifier("fly", 3, fly_window_size=2)
+    assert verifier(draft, None, logits, None, greedy=True) == (3, 2)  # deferred, as vLLM
+    logits[0, 3] = -math.inf  # impossible for the target: never deferred
+    assert verifier(draft, None, logits, None, greedy=True)[0] == 0
+    n, _ = fly_accept(draft, None, probs, fly_entropy(probs[:-1]), window=2, target_argmax=probs.argmax(-1))
+    assert n == 0  # without the logits, p = 0 is all fly_accept can see
+
+
+def test_fly_when_sampling_never_defers_a_draft_the_drafter_gave_probability_zero():
+    """vLLM's sampled FLy kernel defers only where q(d) > 0 and p(d) > 0 (fly.py:140-147)."""
+    V, K = 8, 3
+    p = torch.full((K + 1, V), 1e-3)
+    p[0, :4] = 0.25
+    p[1:, 1] = 1.0
+    p = p / p.sum(-1, keepdim=True)
+    draft = torch.tensor([5, 1, 1])
+    q = torch.zeros(K, V)
+    q[:, 1] = 1.0  # index 0's draft has q = 0 (it could not have been sampled from q) ...
+    ent = fly_entropy(p[:-1])
+    g = torch.Generator().manual_seed(0)
+    assert all(fly_accept(draft, q, p, ent, window=2, generator=g)[0] == 0 for _ in range(50))
+    q[0, 5], q[0, 1] = 0.5, 0.5  # ... with q > 0 the same block defers at index 0 whenever it is rejected
+    assert all(fly_accept(draft, q, p, ent, window=2, generator=g)[0] == 3 for _ in range(50))
+
+
 def test_fly_through_the_loop_matches_standard_when_the_gate_is_shut(shipped):
     target, drafter, tok = shipped
     prompt = tok(heldout_prompts()[2]["text"])["input_ids"][-32:]
@@ -300,7 +336,7 @@ def test_greedy_standard_and_block_are_the_targets_greedy_output(shipped):
     (dict(rejection_sample_method="synthetic", synthetic_acceptance_length=9.5), "synthetic_acceptance_length"),
     (dict(rejection_sample_method="standard", synthetic_acceptance_rates=[0.5] * 7), "only valid with"),
     (dict(rejection_sample_method="fly", fly_window_size=7), "fly_window_size must be"),
-    (dict(rejection_sample_method="block", fly_window_size=2), "fly_window_size is only valid"),
+    (dict(rejection_sample_method="block", fly_window_size=0), "fly_window_size must be None or an integer >= 1"),
     (dict(rejection_sample_method="fly", fly_entropy_top_k=0), "fly_entropy_top_k"),
 ])
 def test_bad_verification_settings_are_refused_by_name(kwargs, message):

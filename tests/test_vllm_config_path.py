@@ -197,6 +197,13 @@ ROPE_CASES = {
     "flat rope_parameters on sliding layers": dict(sliding=True, rope_parameters={"rope_type": "default", "rope_theta": 30000.0}),
     "flat rope_theta, no rope_parameters": dict(rope_parameters=None, rope_theta=250000.0),
     "flat rope_theta, sliding": dict(sliding=True, rope_parameters=None, rope_theta=250000.0),
+    "rotary_pct alias, entry without a factor": dict(rope_parameters=FULL_ENTRY_NO_FACTOR, rotary_pct=0.5),
+    "rotary_emb_fraction alias, entry without a factor": dict(rope_parameters=FULL_ENTRY_NO_FACTOR,
+                                                             rotary_emb_fraction=0.25),
+    "rotary_pct alias into swa_rope_parameters": dict(sliding=True, swa_rope_parameters={"rope_theta": 250000.0},
+                                                      rotary_pct=0.5),
+    "partial_rotary_factor wins over rotary_pct": dict(rope_parameters=FULL_ENTRY_NO_FACTOR, partial_rotary_factor=0.5,
+                                                       rotary_pct=0.25),
     "rope_dim in the entry": dict(rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 10000.0,
                                                                       "rope_dim": 16}}),
 }
@@ -251,3 +258,64 @@ def test_an_empty_aux_list_and_aux_id_zero_as_vllm_reads_them(tmp_path):
     assert get_eagle3_aux_layers_from_config(spec) == (0, 2)  # vLLM takes id 0 (the embedding output) ...
     with pytest.raises(ValueError, match="holds id 0, the embedding output"):  # ... the lab refuses it, saying so
         DFlashDrafterConfig.from_dict(zero)
+
+
+# ---------------------------------------------------------------------------
+# The mask token and the number of speculative tokens (issue 31)
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("where", ["dflash_config", "top level", "both"])
+def test_the_mask_token_is_read_where_vllm_reads_it(tmp_path, where):
+    """vLLM falls back to a top-level mask_token_id when dflash_config has none
+    (get_parallel_drafting_token_id, v1/worker/gpu/spec_decode/utils.py:99-109); so does the lab."""
+    from vllm.v1.worker.gpu.spec_decode.utils import get_parallel_drafting_token_id
+
+    d = shipped_dict()
+    inner = d["dflash_config"].pop("mask_token_id")
+    if where != "top level":
+        d["dflash_config"]["mask_token_id"] = inner
+    if where != "dflash_config":
+        d["mask_token_id"] = inner + 1  # a different id, to see which one wins
+    hf = vllm_reads(tmp_path, d)
+    cfg = DFlashDrafterConfig.from_dict(d)
+    assert cfg.mask_token_id == get_parallel_drafting_token_id(hf) == (inner + 1 if where == "top level" else inner)
+    assert DFlashDrafterConfig.from_dict(cfg.to_dict()).mask_token_id == cfg.mask_token_id  # written back inside
+
+
+def test_no_mask_token_anywhere_is_refused_by_both(tmp_path):
+    from vllm.v1.worker.gpu.spec_decode.utils import get_parallel_drafting_token_id
+
+    d = shipped_dict()
+    del d["dflash_config"]["mask_token_id"]
+    with pytest.raises(ValueError, match="mask_token_id"):
+        get_parallel_drafting_token_id(vllm_reads(tmp_path, d))
+    with pytest.raises(ValueError, match=r"`dflash_config.mask_token_id` is missing"):
+        DFlashDrafterConfig.from_dict(d)
+
+
+def test_vllm_needs_num_speculative_tokens_and_never_caps_it_by_block_size(target_model_config):
+    """vLLM 0.33 never reads dflash_config.block_size for DFlash: num_speculative_tokens is required
+    (config/speculative.py:1614-1618) and a value above the trained block - 1 is accepted and run."""
+    trained = DFlashDrafterConfig.from_pretrained(DEFAULT_DRAFTER).block_size
+    with pytest.raises(ValueError, match="`num_speculative_tokens` was not provided"):
+        SpeculativeConfig(method="dflash", model=str(DEFAULT_DRAFTER), target_model_config=target_model_config,
+                          target_parallel_config=ParallelConfig())  # no num_speculative_tokens
+    sc = speculative_config(DEFAULT_DRAFTER, target_model_config, trained + 4)
+    assert sc.num_speculative_tokens == trained + 4 > trained - 1
+
+
+def test_fly_window_size_without_fly_is_ignored_by_both(target_model_config):
+    """vLLM validates fly_window_size (>= 1) and reads it only under FLy (config/speculative.py:2014-2030)."""
+    from dflash_lab.spec_decode.sampling import make_verifier
+
+    sc = SpeculativeConfig(method="dflash", model=str(DEFAULT_DRAFTER), num_speculative_tokens=7,
+                           fly_window_size=3, target_model_config=target_model_config,
+                           target_parallel_config=ParallelConfig())
+    assert sc.rejection_sample_method == "standard"
+    assert make_verifier("standard", 7, fly_window_size=3).method == "standard"
+    with pytest.raises(Exception, match="fly_window_size"):
+        SpeculativeConfig(method="dflash", model=str(DEFAULT_DRAFTER), num_speculative_tokens=7, fly_window_size=0,
+                          target_model_config=target_model_config, target_parallel_config=ParallelConfig())
+    with pytest.raises(ValueError, match="fly_window_size must be None or an integer >= 1"):
+        make_verifier("standard", 7, fly_window_size=0)

@@ -35,7 +35,8 @@ from ..drafter import DFlashLagunaDrafter
 from ..runtime import synchronized_time
 from ..target import target_forward
 from .proposers import DFlashContext, NoDrafter, PromptLookupDrafter, dflash_draft_logits
-from .sampling import DRAFT_SAMPLE_METHODS, greedy_accept, logits_to_probs, make_verifier, rejection_sample, sample
+from .sampling import (DRAFT_SAMPLE_METHODS, draft_distribution, greedy_accept, logits_to_probs, make_verifier,
+                       rejection_sample, sample)
 from .stats import SpecDecodeStats
 
 # ---------------------------------------------------------------------------
@@ -144,7 +145,7 @@ def check_generation_args(target, drafter, input_ids, *, max_new_tokens, block_s
         if d_param.dtype != t_param.dtype:
             raise ValueError(f"target and drafter must have the same dtype: target {t_param.dtype}, "
                              f"drafter {d_param.dtype} (convert one with .to(dtype))")
-        max_block = drafter.config.block_size
+        max_block = None  # vLLM runs any num_speculative_tokens: dflash_config.block_size is not a limit
     elif callable(getattr(drafter, "propose", None)):
         max_block = getattr(drafter, "max_block_size", None)
     else:
@@ -161,8 +162,7 @@ def check_generation_args(target, drafter, input_ids, *, max_new_tokens, block_s
     if block_size < 2:
         raise ValueError(f"block_size must be >= 2 (1 real token + at least 1 draft), got {block_size}")
     if max_block is not None and block_size > max_block:
-        raise ValueError(f"block_size {block_size} is larger than the drafter supports "
-                         f"(its config.block_size is {max_block})")
+        raise ValueError(f"block_size {block_size} is larger than the drafter supports (its max_block_size is {max_block})")
 
     # prompt
     if isinstance(input_ids, (list, tuple)):
@@ -234,15 +234,15 @@ def _propose(drafter, target, context: DFlashContext | None, tokens: list[int], 
     """Drafts d_1 .. d_K (K,) and, when they were sampled from the drafter, their probabilities q (K, V).
 
     ``greedy``: the drafter's argmax, q one-hot (None) — greedy decoding, or vLLM's default
-    draft_sample_method="greedy" when sampling.
+    draft_sample_method="greedy" when sampling. ``to_probs`` gives q: temperature only (``draft_distribution``).
     """
     if context is None:  # a proposer without a model (prompt lookup): K <= num_draft, q is one-hot
         return torch.tensor(drafter.propose(tokens, num_draft)[:num_draft], dtype=torch.long, device=device), None
     draft_logits = dflash_draft_logits(drafter, target, context, tokens[-1], num_draft + 1)  # (K, V)
     if greedy:
         return draft_logits.argmax(-1), None
-    draft_probs = to_probs(draft_logits)  # (K, V) q
-    return sample(draft_probs, generator), draft_probs
+    q = to_probs(draft_logits)  # (K, V)
+    return sample(q, generator), q
 
 
 # ---------------------------------------------------------------------------
@@ -264,10 +264,15 @@ def speculative_generate(target, drafter, input_ids, *, max_new_tokens: int, blo
         ``PromptLookupDrafter``), None (no drafter: plain decoding through the same loop)
         or any object with ``propose(tokens, num_draft)``.
     input_ids: one prompt, (1, T) or (T,).
-    block_size: tokens per block, 1 real + (block_size - 1) drafts; default the
-        drafter's config.block_size.
-    temperature / top_p / top_k: 0 is greedy; otherwise rejection sampling with
-        the same processing applied to drafter and target distributions.
+    block_size: tokens per block, 1 real + (block_size - 1) drafts = vLLM's
+        num_speculative_tokens + 1. Default: the drafter's dflash_config.block_size (the lab's
+        convenience: vLLM 0.33 never reads that key for DFlash and requires
+        num_speculative_tokens, config/speculative.py:1614-1618). A block larger than the
+        trained one runs, as in vLLM, which checks it against nothing.
+    temperature / top_p / top_k: 0 is greedy; otherwise rejection sampling against the
+        target's distribution after temperature, top-k and top-p. Sampled drafts and their q
+        use the temperature only, as vLLM's (``sampling.draft_distribution``): lossless either way,
+        but with top-k / top-p set a draft can fall outside the target's kept set.
     seed: seeds the sampling generator (None: torch's global RNG).
     stop_token_ids: generation ends right after emitting one of them (it is
         kept in the output). None: only max_new_tokens ends it.
@@ -300,7 +305,7 @@ def speculative_generate(target, drafter, input_ids, *, max_new_tokens: int, blo
     is_dflash = isinstance(drafter, DFlashLagunaDrafter)
     layer_ids = list(drafter.config.target_layer_ids) if is_dflash else []
     greedy = temperature == 0
-    to_probs = partial(logits_to_probs, temperature=temperature, top_k=top_k, top_p=top_p)
+    to_probs = partial(logits_to_probs, temperature=temperature, top_k=top_k, top_p=top_p)  # the target's p
     generator = torch.Generator(device).manual_seed(seed) if seed is not None else None
     max_pos = target.config.max_position_embeddings
     T = prompt.shape[1]
@@ -317,7 +322,8 @@ def speculative_generate(target, drafter, input_ids, *, max_new_tokens: int, blo
     # The three calls that do the work, each timed into stats.
     greedy_drafts = greedy or draft_sample_method == "greedy"
     propose = _timed(stats, "drafter_time_s", device, partial(
-        _propose, drafter, target, context, greedy=greedy_drafts, to_probs=to_probs, generator=generator, device=device))
+        _propose, drafter, target, context, greedy=greedy_drafts, to_probs=partial(draft_distribution, temperature=temperature),
+        generator=generator, device=device))
     verify = _timed(stats, "target_time_s", device, partial(verify_forward, target, layer_ids=layer_ids))
     extend_context = _timed(stats, "drafter_time_s", device, partial(context.append, drafter)) if is_dflash else None
 

@@ -1,7 +1,8 @@
 """The accept rules: turning logits into tokens, and deciding how much of a draft to keep.
 
-Drafter and target logits go through the same processing (``logits_to_probs``),
-so the rejection sampler compares like with like. Greedy decoding keeps the
+The target's logits go through temperature, top-k and top-p (``logits_to_probs``); a
+sampled draft and its q through the temperature only (``draft_distribution``), as vLLM
+does. Rejection sampling is lossless for any q. Greedy decoding keeps the
 longest prefix the target's argmax agrees with; sampling keeps each draft with
 probability min(1, p/q) and resamples the first rejection from (p - q)+, which
 leaves every emitted token distributed exactly as the target's own sample.
@@ -47,6 +48,21 @@ def logits_to_probs(logits: torch.Tensor, temperature: float, top_k: int = 0, to
         sorted_logits = sorted_logits.masked_fill(mass_before >= top_p, -math.inf)
         logits = torch.full_like(logits, -math.inf).scatter(-1, order, sorted_logits)
     return logits.softmax(-1)
+
+
+def draft_distribution(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """q for a sampled draft: softmax(logits / T), no top-k or top-p, as vLLM 0.33 drafts.
+
+    vLLM ignores every sampling parameter but the temperature when drafting, for the draft
+    sample and for the q the accept test uses: V1 ``compute_probs_and_sample_next_token``
+    (``v1/spec_decode/llm_base_proposer.py:1842-1851``), V2 ``_copy_request_inputs`` and
+    ``gumbel_sample(apply_temperature=True)`` (``v1/worker/gpu/spec_decode/speculator.py:460-476,
+    536-541``), its rejection kernels dividing the stored logits by T only
+    (``rejection_sampler_utils.py:168-181, 909-920``). With top-k / top-p set, a draft outside
+    the target's kept set has p = 0 and is always rejected: acceptance drops, the output law
+    does not change.
+    """
+    return logits_to_probs(logits, temperature if temperature > 0 else 1.0)
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -128,6 +144,10 @@ def rejection_sample(draft_ids: torch.Tensor, draft_probs: torch.Tensor | None, 
 #                the next W drafts are natively accepted; LOSSY (v1/spec_decode/fly.py)
 #   "synthetic"  accept position i with a given probability, whatever the tokens; for load
 #                tests, LOSSY (config/speculative.py:571-577, 600-632)
+# With draft_sample_method="probabilistic", V1 keeps q only for standard and fly
+# (v1/spec_decode/llm_base_proposer.py:257-260): under block or synthetic its drafts are the
+# argmax, q one-hot. V2 keeps the draft logits for every rule (speculator.py:180-183). The lab
+# samples drafts and uses q under all four: V2's behaviour, not V1's.
 REJECTION_SAMPLE_METHODS = ("standard", "block", "fly", "synthetic")
 FLY_DEFAULT_ENTROPY_THRESHOLD = 0.3  # config/speculative.py:656
 FLY_DEFAULT_ENTROPY_TOP_K = 3  # config/speculative.py:659
@@ -222,14 +242,17 @@ def block_verify(draft_ids: torch.Tensor, draft_probs: torch.Tensor | None, targ
 
 def fly_accept(draft_ids: torch.Tensor, draft_probs: torch.Tensor | None, target_probs: torch.Tensor,
                entropy: torch.Tensor, *, window: int, threshold: float = FLY_DEFAULT_ENTROPY_THRESHOLD,
-               target_argmax: torch.Tensor | None = None,
+               target_argmax: torch.Tensor | None = None, target_logits: torch.Tensor | None = None,
                generator: torch.Generator | None = None) -> tuple[int, int]:
     """FLy's entropy-gated deferred window, as vLLM 0.33 applies it (v1/spec_decode/fly.py:47-188). LOSSY.
 
     First each draft gets its native decision: greedy (``target_argmax`` (K+1,) given) d_j ==
-    argmax; sampling u_j q_j(d_j) < p_j(d_j). A native rejection at j is overruled (the draft
-    kept) when the target's top-k entropy there, ``entropy`` (K,), is >= threshold, d_j has
-    p_j(d_j) > 0, j + window < K, and the next ``window`` drafts are all natively accepted.
+    argmax; sampling u_j q_j(d_j) < p_j(d_j) with q_j(d_j) > 0. A native rejection at j is
+    overruled (the draft kept) when the target's top-k entropy there, ``entropy`` (K,), is >=
+    threshold, j + window < K, the next ``window`` drafts are all natively accepted, and d_j
+    is possible for the target: greedy, its raw logit ``target_logits`` (K+1, V) is above -inf
+    (fly.py:82-87; a logit whose float32 softmax underflows to 0 still counts); sampling,
+    p_j(d_j) > 0 and q_j(d_j) > 0 (fly.py:149-156).
     The prefix is then kept up to the first rejection that stands, and the next token is
     what standard verification gives there (greedy: the argmax; sampling: the residual).
     """
@@ -238,13 +261,16 @@ def fly_accept(draft_ids: torch.Tensor, draft_probs: torch.Tensor | None, target
     p = target_probs[rows, draft_ids]
     if target_argmax is not None:
         native = draft_ids == target_argmax[:K]
+        logits = target_logits if target_logits is not None else target_probs.log()
+        possible = logits[rows, draft_ids] > -math.inf
     else:
         q = draft_probs[rows, draft_ids] if draft_probs is not None else torch.ones_like(p)
         u = torch.rand(K, generator=generator, device=p.device)
         native = (u * q < p) & (q > 0)
+        possible = (p > 0) & (q > 0)
     later_ok = [bool(native[j + 1:j + 1 + window].all()) for j in range(K)]
-    deferred = [(not native[j]) and bool(p[j] > 0) and j + window < K and float(entropy[j]) >= threshold and later_ok[j]
-                for j in range(K)]
+    deferred = [(not native[j]) and bool(possible[j]) and j + window < K and float(entropy[j]) >= threshold
+                and later_ok[j] for j in range(K)]
     kept = (native | torch.tensor(deferred, dtype=torch.bool, device=native.device)).int().cumprod(0)
     n = int(kept.sum())
     if target_argmax is not None:
@@ -318,7 +344,7 @@ class Verifier:
             probs = target_logits.float().softmax(-1)
             return fly_accept(draft_ids, None, probs, fly_entropy(probs[:-1], self.fly_entropy_top_k),
                               window=self.fly_window_size, threshold=self.fly_entropy_threshold,
-                              target_argmax=argmax, generator=generator)
+                              target_argmax=argmax, target_logits=target_logits, generator=generator)
         probs = to_probs(target_logits)
         if self.method == "standard":
             return rejection_sample(draft_ids, draft_probs, probs, generator)
@@ -348,8 +374,11 @@ def make_verifier(rejection_sample_method: str = "standard", num_speculative_tok
     if method != "synthetic" and synthetic_given:
         raise ValueError("synthetic_acceptance_rates / synthetic_acceptance_length are only valid with "
                          f"rejection_sample_method='synthetic', got rejection_sample_method={method!r}")
-    if method != "fly" and fly_window_size is not None:
-        raise ValueError(f"fly_window_size is only valid with rejection_sample_method='fly', got {method!r}")
+    if fly_window_size is not None and (not isinstance(fly_window_size, int) or isinstance(fly_window_size, bool)
+                                        or fly_window_size < 1):
+        raise ValueError(f"fly_window_size must be None or an integer >= 1, got {fly_window_size!r}")
+    # fly_window_size without "fly": vLLM validates it (Field ge=1) and ignores it (only its FLy branch reads it,
+    # config/speculative.py:2014-2030); so does the lab. Synthetic settings without "synthetic" it refuses (:1987).
     if not _number(fly_entropy_threshold) or fly_entropy_threshold < 0:
         raise ValueError(f"fly_entropy_threshold must be a number >= 0, got {fly_entropy_threshold!r}")
     if not isinstance(fly_entropy_top_k, int) or isinstance(fly_entropy_top_k, bool) or fly_entropy_top_k < 1:

@@ -55,8 +55,13 @@ _ = seed_everything(0)  # (it returns a seeded generator; this chapter does not 
 #   unless `is_causal` or `dflash_config.causal` says otherwise;
 # - `dflash_config`: which **target** layers feed the drafter (`target_layer_ids`),
 #   the token that fills the block after its first position (`mask_token_id`, the
-#   [mask token](GLOSSARY.md#mask-token)), the block size it was trained for, and optionally
-#   `causal`;
+#   [mask token](GLOSSARY.md#mask-token); vLLM falls back to a top-level `mask_token_id` when
+#   this one is absent, `v1/worker/gpu/spec_decode/utils.py:99-109`, and so does the lab), the
+#   block size it was trained for (`block_size`), and optionally `causal`. vLLM never reads
+#   `block_size` for DFlash: it drafts the `num_speculative_tokens` you pass, which it requires
+#   (`config/speculative.py:1614-1618`), and runs a value above `block_size - 1` unchecked. The lab
+#   reads `block_size` only as the default of `speculative_generate(..., block_size=None)`
+#   (= `num_speculative_tokens + 1`) and runs a larger block as vLLM does;
 # - `draft_vocab_size`: must equal the target's vocabulary, because the drafter
 #   uses the target's `lm_head`.
 #
@@ -200,7 +205,10 @@ print("the S-2.1 drafter's own layers run theta", DFlashDrafterConfig.from_dict(
 # non-empty (an empty list counts as absent, `eagle3_utils.py:120`), but
 # `dflash_config.target_layer_ids` must be there too: `DFlashLagunaModel` reads it
 # (`laguna_dflash.py:78`). vLLM also takes aux id 0 (the embedding output,
-# `laguna.py:651-653`); the lab captures layer outputs only and refuses it, saying so. The S-2.1
+# `laguna.py:656-658`); the lab captures layer outputs only and refuses it, saying so. The
+# top-level rotary factor may also be spelled `rotary_pct` or `rotary_emb_fraction`: vLLM's
+# `patch_rope_parameters` reads them, in that order, after `partial_rotary_factor`
+# (`transformers_utils/config.py:675-683`), and so does the lab. The S-2.1
 # file with one key changed at a time, as the lab reads it (a test builds vLLM's own drafter on
 # such configs and checks every θ and rotary width):
 
