@@ -7,7 +7,7 @@ import os
 
 from .. import corpus
 from ..config import LAYER_TYPES
-from ..runtime import DEFAULT_DRAFTER, DEFAULT_TARGET, HELDOUT_PROMPTS
+from ..runtime import DEFAULT_DRAFTER, DEFAULT_TARGET, HELDOUT_PROMPTS, drafter_path, target_path
 from . import code_corpus
 from .distill import DistillConfig
 from .drafter_training import ATTENTION_PRESETS, DrafterTrainConfig, run_distill, run_drafter
@@ -95,8 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     sp = sub.add_parser("evaluate", help="acceptance of a target/drafter pair on the held-out prompts")
     add_common_options(sp)
-    sp.add_argument("--target", default=str(DEFAULT_TARGET))
-    sp.add_argument("--drafter", default=str(DEFAULT_DRAFTER))
+    sp.add_argument("--target", default=str(target_path()), help="default: $DFLASH_LAB_TARGET, else the shipped one")
+    sp.add_argument("--drafter", default=str(drafter_path()), help="default: $DFLASH_LAB_DRAFTER, else the shipped one")
     sp.add_argument("--eval-prompts", type=int, default=corpus.NUM_PROMPTS)
     sp.add_argument("--eval-blocks", default="16,8,4")
     sp.add_argument("--update-log", action="store_true", help="write the numbers into the drafter's training log")

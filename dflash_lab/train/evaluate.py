@@ -173,7 +173,10 @@ class AcceptanceProbe:
 
 
 def load_pair_for_eval(target_dir, drafter_dir, device):
-    """Target and drafter as shipped (bf16 weights), computed in float32."""
+    """Target and drafter as shipped (bf16 weights), computed in float32; their files checked first."""
+    from ..pair_files import check_pair_files
+
+    check_pair_files(target_dir, drafter_dir)
     target = freeze(load_target(target_dir, device=device, dtype=torch.float32))
     drafter = freeze(load_drafter(drafter_dir, device=device, dtype=torch.float32))
     return target, drafter
@@ -206,7 +209,7 @@ def update_training_log(drafter_dir, records: dict, device) -> Path:
     """Write held-out acceptance records ({block size: ``AcceptanceEval.record()``}) into a drafter's
     training log, under ``final`` (what chapter 6 and the README read)."""
     path = Path(drafter_dir) / LOG_NAME
-    log = json.loads(path.read_text())
+    log = json.loads(path.read_text()) if path.is_file() else {}  # a drafter trained elsewhere has no log yet
     log.setdefault("final", {})
     log["final"].update({f"block_{bs}": record for bs, record in records.items()}, eval_device=str(device))
     write_log(path, log)

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The chapters on a pair at Laguna-XS.2's true widths, on a GPU: a pair of random weights is written
+# in the real format (`python -m dflash_lab.user_pair --full-width`: the target sharded with an index,
+# hidden 2048, 256 experts top-8, vocabulary 100352, XS.2's layer pattern; a drafter at the
+# XS-2.1-DFlash preset's shape), then each chapter named runs on it as `make report` runs it, and its
+# wall time is printed.
+#
+#   OUT=runs/xs2-chapters LAYERS=8 scripts/chapters_on_xs2_pair.sh 02 05 07 03
+set -uo pipefail
+OUT=${OUT:-runs/xs2-chapters}
+LAYERS=${LAYERS:-8}
+PAIR=${PAIR:-/tmp/xs2-pair}
+PYTHON=${PYTHON:-python3}
+mkdir -p "$OUT"
+start=$(date +%s)
+"$PYTHON" -m dflash_lab.user_pair --out "$PAIR" --layers "$LAYERS" --full-width --device cuda --shard-size 4GB \
+  || exit 1
+echo "pair: $LAYERS-layer XS.2-shaped target + XS-2.1-DFlash-shaped drafter, built in $(( $(date +%s) - start )) s" \
+  | tee -a "$OUT/summary.txt"
+export DFLASH_LAB_TARGET=$PAIR/target DFLASH_LAB_DRAFTER=$PAIR/drafter
+for ch in "$@"; do
+  nb=$(ls notebooks/"$ch"_*.ipynb)
+  start=$(date +%s)
+  timeout "${CHAPTER_TIMEOUT:-420}" "$PYTHON" -m dflash_lab.tools.report --out "/tmp/reports-$ch" "$nb" \
+    > "$OUT/chapter-$ch.log" 2>&1
+  rc=$?
+  echo "chapter $ch: exit $rc, $(( $(date +%s) - start )) s" | tee -a "$OUT/summary.txt"
+done
