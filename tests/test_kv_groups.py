@@ -196,7 +196,8 @@ def test_captured_warnings_collects_the_message_instead_of_logging_it(caplog):
 
 # ---------------------------------------------------------------------------
 # The seed's own test file (seeds/004, tests/v1/core/test_kv_cache_utils.py), case by case:
-# each passes under rules="seed"; what rules="vllm-0.33" does with the same case beside it.
+# each passes under rules="seed"; what rules="seed-gated" (the same rules behind 0.33's gate) and
+# rules="vllm-0.33" (0.33's own get_global_kv_cache_groups) do with the same case beside it.
 # ---------------------------------------------------------------------------
 
 
@@ -207,17 +208,22 @@ def test_seed_deepseek_v4_draft_group_annotated_on_packed_path(method, model_typ
     (draft,) = flagged(kv.kv_cache_groups(specs, method=method, model_type=model_type, layout="BLHNC", rules="seed"))
     assert DSV4_DRAFT_LAYER in draft.layer_names
     behind_the_gate = flagged(kv.kv_cache_groups(specs, method=method, model_type=model_type, layout="BLHNC",
-                                                 rules="vllm-0.33"))
+                                                 rules="seed-gated"))
     assert len(behind_the_gate) == (1 if method == "mtp" else 0)  # dspark has no block drop in 0.33
+    # 0.33 itself has no trailing-layer rule: the unmarked draft layer is found by nothing.
+    assert flagged(kv.kv_cache_groups(specs, method=method, model_type=model_type, layout="BLHNC",
+                                      rules="vllm-0.33")) == []
 
 
-@pytest.mark.parametrize("rules", ["seed", "vllm-0.33"])
+@pytest.mark.parametrize("rules", ["seed", "seed-gated"])
 def test_seed_trailing_layer_fallback_applies_to_any_mtp_model(rules):
     (draft,) = flagged(kv.kv_cache_groups(kv_specs.deepseek_v4_specs(), method="mtp", model_type="other", rules=rules))
     assert DSV4_DRAFT_LAYER in draft.layer_names
+    assert flagged(kv.kv_cache_groups(kv_specs.deepseek_v4_specs(), method="mtp", model_type="other",
+                                      rules="vllm-0.33")) == []
 
 
-@pytest.mark.parametrize("rules", ["seed", "vllm-0.33"])
+@pytest.mark.parametrize("rules", ["seed", "seed-gated"])
 def test_seed_qwen3_5_mtp_draft_group_annotated_on_hybrid_path(rules, caplog):
     with caplog.at_level(logging.WARNING, logger="dflash_lab.kv_cache.groups"):
         groups = kv.kv_cache_groups(kv_specs.qwen3_5_hybrid_specs(with_mtp_layer=True), method="mtp",
@@ -240,7 +246,7 @@ def test_seed_non_mtp_eagle_hybrid_still_warns(method, caplog):
     assert warned(caplog) is (method != "dspark")  # 0.33 warns only where the drop runs
 
 
-@pytest.mark.parametrize("rules", ["seed", "vllm-0.33"])
+@pytest.mark.parametrize("rules", ["seed", "seed-gated"])
 def test_seed_trailing_layer_fallback_requires_exact_partition(rules):
     specs = kv_specs.qwen3_5_hybrid_specs(with_mtp_layer=True)
     trimmed = _regroup(kv.vllm_kv_cache_groups(specs), lambda names: [n for n in names if n != "model.layers.0.linear_attn"])
@@ -248,8 +254,35 @@ def test_seed_trailing_layer_fallback_requires_exact_partition(rules):
     assert flagged(trimmed) == []
 
 
+def test_vllm_033_rules_have_no_trailing_layer_rule_to_switch_on():
+    specs = kv_specs.qwen3_5_hybrid_specs(with_mtp_layer=True)
+    with pytest.raises(ValueError, match="use_trailing_layer_fallback: vLLM 0.33 has no trailing-layer rule"):
+        kv.annotate_draft_groups("mtp", "qwen3_5", specs, kv.vllm_kv_cache_groups(specs),
+                                 use_trailing_layer_fallback=True, rules="vllm-0.33")
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("method", kv.EAGLE_METHODS)
+def test_unmarked_mtp_hybrid_under_vllm_033_is_vllms_own_answer(method, layout):
+    """Issue 31: rules="vllm-0.33" is 0.33's get_global_kv_cache_groups, run: the unmarked Qwen3.5
+    hybrid with mtp gets no flag and vLLM's warning, where the seed's trailing-layer rule (also
+    behind the gate, "seed-gated") flags the MTP group and stays silent."""
+    specs = kv_specs.qwen3_5_hybrid_specs(with_mtp_layer=True)
+    with kv.captured_warnings() as ours:
+        lab = kv.kv_cache_groups(specs, method=method, model_type="qwen3_5", layout=layout, rules="vllm-0.33")
+    engine, theirs = kv_engine.engine_kv_cache_groups(specs, method=method, layout=layout)
+    assert [g.is_eagle_group for g in lab] == [g.is_eagle_group for g in engine]
+    assert [m.removeprefix("vLLM 0.33: ") for m in ours] == theirs
+    assert flagged(lab) == [] and bool(ours) is kv.use_eagle_block_drop(method)
+    with kv.captured_warnings() as gated_warned:
+        gated = kv.kv_cache_groups(specs, method=method, model_type="qwen3_5", layout=layout, rules="seed-gated")
+    if method == "mtp":
+        (draft,) = flagged(gated)
+        assert MTP_LAYER in draft.layer_names and not gated_warned
+
+
 def test_rules_must_be_named():
-    with pytest.raises(ValueError, match=r"rules 'lab' is not one of \['seed', 'vllm-0.33'\]"):
+    with pytest.raises(ValueError, match=r"rules 'lab' is not one of \['seed', 'seed-gated', 'vllm-0.33'\]"):
         kv.kv_cache_groups(kv_specs.laguna_dflash_specs(), method="dflash", rules="lab")
 
 
@@ -261,22 +294,37 @@ def test_rules_must_be_named():
                          ids=["qwen3_5-marked", "deepseek_v4-marked", "xs2-dflash"])
 def test_033_gate_flags_and_warns_as_vllms_own_engine(build, method, layout):
     """Where #55390's trailing-layer rule has nothing to add (the runtime's marked specs),
-    rules="vllm-0.33" is vLLM 0.33's get_global_kv_cache_groups, flag for flag, warning for warning."""
+    rules="seed-gated" is vLLM 0.33's get_global_kv_cache_groups, flag for flag, warning for warning."""
     specs = build()
     with kv.captured_warnings() as ours:
-        lab = kv.kv_cache_groups(specs, method=method, model_type="glm4_moe", layout=layout, rules="vllm-0.33")
+        lab = kv.kv_cache_groups(specs, method=method, model_type="glm4_moe", layout=layout, rules="seed-gated")
     engine, theirs = kv_engine.engine_kv_cache_groups(specs, method=method, layout=layout)
     assert [g.is_eagle_group for g in lab] == [g.is_eagle_group for g in engine]
     assert bool(ours) == bool(theirs)
 
 
-def test_the_table_of_differences_is_dflash_and_dspark_only():
+def test_the_table_sets_the_seed_beside_vllm_033s_own_annotation():
+    """Issue 31: the "vllm-0.33" column is 0.33's engine, run. dflash and dspark differ on every model
+    (the gate); eagle, eagle3 and mtp differ exactly where the seed's trailing-layer rule finds an
+    unmarked drafter (MTP on the Qwen3.5 hybrid, every method on unmarked DeepSeek V4/V4.1) and
+    agree where 0.33's runtime markers are there."""
     from dflash_lab.kv_cache import compare
 
     rows = compare.rule_table()
+    for r in rows:
+        engine, warned = kv_engine.engine_kv_cache_groups(compare.MODELS[r.model][0](), method=r.method,
+                                                          layout=compare.MODELS[r.model][2])
+        assert (r.vllm_flags, r.vllm_warns) == ([f"g{i}" for i, g in enumerate(engine) if g.is_eagle_group], bool(warned))
     differ = {(r.model, r.method): r for r in rows if r.differs}
-    assert {method for _, method in differ} == {"dflash", "dspark"}
-    assert len(differ) == len(compare.MODELS) * 2  # every model, both methods
+    assert {k for k in differ if k[1] in ("dflash", "dspark")} == {(m, x) for m in compare.MODELS for x in ("dflash", "dspark")}
+    trailing = {k for k in differ if k[1] in ("eagle", "eagle3", "mtp")}
+    assert trailing == {("Qwen3.5 hybrid, unmarked", "mtp")} | {(m, x) for m in ("DeepSeek-V4, unmarked", "DeepSeek-V4.1, unmarked")
+                                                              for x in ("eagle", "eagle3", "mtp")}
+    for key in trailing:
+        assert kv.uses_trailing_mtp_layers(key[1], compare.MODELS[key[0]][1]) and differ[key].vllm_flags == []
+        assert differ[key].why == compare.WHY_TRAILING
+    qwen_mtp = differ[("Qwen3.5 hybrid, unmarked", "mtp")]
+    assert (qwen_mtp.seed_flags, qwen_mtp.seed_warns, qwen_mtp.vllm_flags, qwen_mtp.vllm_warns) == (["g2"], False, [], True)
     unmarked = differ[("Qwen3.5 hybrid, unmarked", "dspark")]
     assert (unmarked.seed_flags, unmarked.seed_warns, unmarked.vllm_flags, unmarked.vllm_warns) == ([], True, [], False)
     assert "kv_cache_planning.py:1656" in unmarked.why
@@ -600,7 +648,7 @@ def test_explorer_redraws_for_every_control():
 def kv_groups_explorer_flaggers():
     from dflash_lab.widgets.kv_groups import FLAGGERS
 
-    assert set(FLAGGERS) == {"seed", "vllm-0.33", "engine"}
+    assert set(FLAGGERS) == {"seed", "seed-gated", "vllm-0.33"}
     return list(FLAGGERS)
 
 
@@ -637,7 +685,7 @@ def test_explorer_clears_a_stale_draft_shading_in_the_browser():
     sent = []
     original = layout_fig._send_relayout_msg
     layout_fig._send_relayout_msg = lambda data, *a, **k: (sent.append(data), original(data, *a, **k))[1]
-    c.flagger.value = "engine"  # vLLM 0.33 flags nothing for DFlash
+    c.flagger.value = "vllm-0.33"  # vLLM 0.33 flags nothing for DFlash
     assert len(layout_fig.layout.shapes) == 0
     assert any(d.get("shapes") == [] for d in sent)
 
@@ -646,7 +694,7 @@ def test_explorer_runs_what_the_marker_and_flagger_controls_say():
     c, layout_fig, _ = _explorer()
     c.preset.value = "qwen3_5_mtp"
     assert not c.marked.disabled and c.sliding.disabled
-    c.flagger.value = "engine"
+    c.flagger.value = "vllm-0.33"
     assert "DRAFT" not in " ".join(layout_fig.layout.yaxis.categoryarray)  # unmarked: vLLM finds nothing
     assert "could be identified" in layout_fig.layout.title.text  # ... and warns
     c.marked.value = True
@@ -817,12 +865,15 @@ def test_033s_gate_flags_no_dflash_or_dspark_group(layout):
     assert len(flagged(kv.kv_cache_groups(xs2, method="dflash", model_type="laguna", layout=layout))) == 1
     dsv4 = kv_specs.deepseek_v4_specs()
     for method in ("dflash", "dspark"):
-        assert flagged(kv.kv_cache_groups(dsv4, method=method, model_type="deepseek_v4", layout=layout,
-                                          rules="vllm-0.33")) == []
+        for rules in ("seed-gated", "vllm-0.33"):
+            assert flagged(kv.kv_cache_groups(dsv4, method=method, model_type="deepseek_v4", layout=layout,
+                                              rules=rules)) == []
     for method in ("eagle", "eagle3", "mtp"):
         (draft,) = flagged(kv.kv_cache_groups(dsv4, method=method, model_type="deepseek_v4", layout=layout,
-                                              rules="vllm-0.33"))
+                                              rules="seed-gated"))
         assert DSV4_DRAFT_LAYER in draft.layer_names
+        assert flagged(kv.kv_cache_groups(dsv4, method=method, model_type="deepseek_v4", layout=layout,
+                                          rules="vllm-0.33")) == []  # unmarked: 0.33 has only the marker
 
 
 def test_vllm_033_engine_annotation():

@@ -24,15 +24,17 @@ This module follows the data path of that decision:
     the rules         upstream vLLM #55390: the draft marker, the trailing-layer rule
                       (MTP anywhere, every EAGLE-family method on DeepSeek V4/V4.1) behind
                       an exact-partition check, and a warning when a hybrid with Mamba
-                      layers has no flagged group. ``rules`` picks when they run:
+                      layers has no flagged group. ``rules`` picks which rules run, and when:
                       ``"seed"`` (default) as the seed patch's own tests state them, for
                       every EAGLE-family method, the warning after every annotation;
-                      ``"vllm-0.33"`` behind vLLM 0.33's gate, only where
-                      ``use_eagle_block_drop()`` (eagle, eagle3, mtp;
-                      ``kv_cache_planning.py:1650-1656``). ``kv_cache.compare`` tabulates
-                      where the two differ.
+                      ``"seed-gated"`` the same rules behind vLLM 0.33's gate, only where
+                      ``use_eagle_block_drop()`` (eagle, eagle3, mtp); ``"vllm-0.33"`` vLLM
+                      0.33 itself: its ``get_global_kv_cache_groups`` (``kv_engine``), the
+                      marker rule alone behind that gate, no trailing-layer rule
+                      (``kv_cache_planning.py:1650-1656``). ``kv_cache.compare`` tabulates
+                      where "seed" and "vllm-0.33" differ.
 
-``kv_engine`` runs vLLM 0.33's own engine-level annotation for comparison;
+``kv_engine`` runs vLLM 0.33's own engine-level annotation (``rules="vllm-0.33"``);
 ``kv_layout`` reads the groups back: rows for the figures and memory per group.
 vLLM is imported on first use only (``kv_specs.vllm_api``).
 """
@@ -65,14 +67,16 @@ EAGLE_METHODS = ("eagle", "eagle3", "mtp", "dflash", "dspark")
 # layer, as an MTP block does, by reusing the target's decoder layer.
 TRAILING_LAYER_MODEL_TYPES = ("deepseek_v4", "deepseek_v41")
 
-# When the rules run. "seed": the seed patch (port of #55390) as its test file states it:
+# Which rules run, and when. "seed": the seed patch (port of #55390) as its test file states it:
 # annotation for every EAGLE-family method (its DeepSeek-V4 test flags dspark's group) and
 # the warning called after every annotation (its test_non_mtp_eagle_hybrid_still_warns expects
-# eagle, eagle3 and dspark on the Qwen3.5 hybrid to warn). "vllm-0.33": the same rules behind
-# 0.33's gate, which annotates and warns only under use_eagle_block_drop().
+# eagle, eagle3 and dspark on the Qwen3.5 hybrid to warn). "seed-gated": the same rules behind
+# 0.33's gate, which annotates and warns only under use_eagle_block_drop(). "vllm-0.33": vLLM
+# 0.33's own path (get_global_kv_cache_groups): that gate, the marker rule alone, vLLM's warning.
 RULES = {
     "seed": "#55390 as the seed's tests state it: every EAGLE-family method, warning after every annotation",
-    "vllm-0.33": "#55390 behind vLLM 0.33's gate: only where use_eagle_block_drop() (eagle, eagle3, mtp)",
+    "seed-gated": "#55390 behind vLLM 0.33's gate: only where use_eagle_block_drop() (eagle, eagle3, mtp)",
+    "vllm-0.33": "vLLM 0.33's get_global_kv_cache_groups: the is_draft marker only, behind the same gate; no #55390",
 }
 
 # The two cache layouts the lab compares; vLLM accepts the other KVCacheLayout names too.
@@ -113,7 +117,8 @@ def _check_model_type(model_type: str | None) -> str | None:
 def _check_rules(rules: str) -> str:
     if rules not in RULES:
         raise ValueError(f"rules {rules!r} is not one of {list(RULES)}: 'seed' (the seed patch's rules, as its "
-                         "tests state them) or 'vllm-0.33' (the same rules behind vLLM 0.33's block-drop gate)")
+                         "tests state them), 'seed-gated' (the same rules behind vLLM 0.33's block-drop gate) or "
+                         "'vllm-0.33' (vLLM 0.33's own annotation: the draft marker behind that gate)")
     return rules
 
 
@@ -208,9 +213,10 @@ def use_eagle_block_drop(method: str | None) -> bool:
 def rules_run(method: str | None, rules: str = "seed") -> bool:
     """Whether the draft-group rules (annotation and warning) run for ``method`` under ``rules``.
 
-    ``"seed"``: for every EAGLE-family method (``use_eagle()``). ``"vllm-0.33"``: only under
-    ``use_eagle_block_drop()``, the branch of ``get_global_kv_cache_groups``
-    (``kv_cache_planning.py:1650-1656``) that holds both the annotation and the warning.
+    ``"seed"``: for every EAGLE-family method (``use_eagle()``). ``"seed-gated"`` and
+    ``"vllm-0.33"``: only under ``use_eagle_block_drop()``, the branch of
+    ``get_global_kv_cache_groups`` (``kv_cache_planning.py:1650-1656``) that holds both the
+    annotation and the warning.
     """
     method, rules = _check_method(method), _check_rules(rules)
     if method not in EAGLE_METHODS:
@@ -252,7 +258,8 @@ def annotate_draft_groups(
     """Set ``is_eagle_group`` on every group: True exactly for the drafter's groups.
 
     Nothing is flagged unless the rules run (``rules_run``: every EAGLE-family method under
-    ``"seed"``, only eagle/eagle3/mtp under ``"vllm-0.33"``).
+    ``"seed"``, only eagle/eagle3/mtp under ``"seed-gated"`` and ``"vllm-0.33"``). Under
+    ``"vllm-0.33"`` only rule 1 exists, as in 0.33 (``kv_cache_planning.py:1651-1655``).
     1. Marker rule: a group holding a layer whose spec carries ``is_draft`` is the
        drafter's. Markers are read from ``kv_cache_spec`` by layer name, because a merged
        group spec may not keep them.
@@ -263,6 +270,9 @@ def annotate_draft_groups(
     """
     method, model_type = _check_method(method), _check_model_type(model_type)
     specs = check_spec_dict(kv_cache_spec)
+    if use_trailing_layer_fallback and _check_rules(rules) == "vllm-0.33":
+        raise ValueError("use_trailing_layer_fallback: vLLM 0.33 has no trailing-layer rule (it is #55390's); "
+                         "use rules='seed' or 'seed-gated'")
     flagged = [False] * len(groups)
     if rules_run(method, rules):
         draft_layers = {name for name, spec in specs.items() if spec.is_draft}
@@ -341,12 +351,22 @@ def kv_cache_groups(
 
     The trailing-layer rule is on where ``uses_trailing_mtp_layers`` says so, on the packed
     and the general path alike. ``layout`` is a vLLM KVCacheLayout name ('LBHNC' general,
-    'BLHNC' block-outermost/packed) or 'general' / 'packed'. ``rules`` is ``"seed"`` (the
-    seed patch's rules as its tests state them) or ``"vllm-0.33"`` (the same rules behind
-    0.33's block-drop gate); see ``RULES``.
+    'BLHNC' block-outermost/packed) or 'general' / 'packed'. ``rules`` (see ``RULES``):
+    ``"seed"`` (the seed patch's rules as its tests state them), ``"seed-gated"`` (the same
+    rules behind 0.33's block-drop gate) or ``"vllm-0.33"``: vLLM 0.33's own
+    ``get_global_kv_cache_groups`` (``kv_engine.engine_kv_cache_groups``), its warning logged
+    again here so ``captured_warnings`` sees it.
     """
     method, model_type, rules = _check_method(method), _check_model_type(model_type), _check_rules(rules)
     specs = check_spec_dict(kv_cache_spec)
+    if rules == "vllm-0.33":
+        from dflash_lab.kv_cache.engine import engine_kv_cache_groups  # engine imports this module
+
+        groups, warned = engine_kv_cache_groups(specs, method=method, layout=layout,
+                                                hybrid_manager_disabled=hybrid_manager_disabled)
+        for message in warned:
+            logger.warning("vLLM 0.33: %s", message)
+        return groups
     groups = vllm_kv_cache_groups(specs, layout=layout, hybrid_manager_disabled=hybrid_manager_disabled)
     annotate_draft_groups(method, model_type, specs, groups,
                           use_trailing_layer_fallback=uses_trailing_mtp_layers(method, model_type), rules=rules)

@@ -5,16 +5,16 @@ from __future__ import annotations
 import ipywidgets as widgets
 import plotly.graph_objects as go
 
-from dflash_lab.kv_cache import engine as kv_engine, layout as kv_layout, presets as kv_presets
+from dflash_lab.kv_cache import layout as kv_layout, presets as kv_presets
 from dflash_lab.kv_cache import groups as kv  # vLLM itself is imported lazily (kv_specs.vllm_api)
 from dflash_lab import viz
 
-# Who flags the drafter's group: #55390's rules as the seed's tests state them, the same
-# rules behind vLLM 0.33's block-drop gate, or vLLM 0.33's engine without #55390.
+# Who flags the drafter's group (kv_cache_groups' rules): #55390's rules as the seed's tests state
+# them, the same rules behind vLLM 0.33's block-drop gate, or vLLM 0.33's engine without #55390.
 FLAGGERS = {
     "seed": "#55390 as the seed states it (every EAGLE method)",
-    "vllm-0.33": "#55390 behind 0.33's gate (only with the block drop)",
-    "engine": "vLLM 0.33 engine, no #55390",
+    "seed-gated": "#55390 behind 0.33's gate (only with the block drop)",
+    "vllm-0.33": "vLLM 0.33 engine, no #55390",
 }
 
 _WIDE = {"description_width": "initial"}  # labels never truncated
@@ -96,12 +96,9 @@ def kv_groups_explorer(*, kv_budget_bytes: int = 1 << 30) -> widgets.VBox:
         if hybrid_off.value:
             title += " · hybrid manager disabled"
         run = dict(layout=layout.value, hybrid_manager_disabled=hybrid_off.value)
-        if flagger.value == "engine":
-            groups, warned = kv_engine.engine_kv_cache_groups(specs, method=method.value, **run)
-        else:
-            with kv.captured_warnings() as warned:
-                groups = kv.kv_cache_groups(specs, method=method.value, model_type=p["model_type"], **run,
-                                            rules=flagger.value)
+        with kv.captured_warnings() as warned:
+            groups = kv.kv_cache_groups(specs, method=method.value, model_type=p["model_type"], **run,
+                                        rules=flagger.value)
         status.value = "<small>" + " · ".join(f"greyed out: {n}" for n in notes) + "</small>"
         show(layout_fig, viz.kv_group_layout_figure(kv_layout.describe_groups(groups, specs), title=title,
                                                     warning=warned[0] if warned else None))
