@@ -145,3 +145,52 @@ def shrink_drafter_config(d: dict, *, hidden_size: int = 64, num_attention_heads
 def shrink_target_config(t: dict, *, hidden_size: int = 64, vocab_size: int = 512) -> dict:
     """A target config dict that pairs with ``shrink_drafter_config``'s output (same depth and ids)."""
     return {**copy.deepcopy(t), "hidden_size": hidden_size, "vocab_size": vocab_size}
+
+
+# Laguna-XS.2 as a full transformers ``LagunaConfig`` (33.5 B parameters), for building it with random
+# weights at its true shape. From the published config.json: 48 attention heads, one full-attention layer
+# in four (period FULL, SWA, SWA, SWA), the first layer's MLP dense and the rest sparse (256 experts,
+# top-8, width 512, one shared expert of 512), YaRN RoPE with partial_rotary_factor 0.5 on full layers
+# and default RoPE (theta 10000) on sliding ones. Per-layer heads (48 on full layers, 64 on sliding
+# ones) and the routed scaling factor 2.5 are as read from the checkpoint by an independent loader
+# (Luce-Org/lucebox PR #116: "per-layer head count [48,64,64,64]x10", "scale 2.5"). The YaRN factor and
+# original context are the lab's guess (they change no step cost).
+LAGUNA_XS_2_FULL: dict = {
+    "model_type": "laguna",
+    "vocab_size": 100352,
+    "hidden_size": 2048,
+    "intermediate_size": 8192,
+    "num_hidden_layers": 40,
+    "num_attention_heads": 48,
+    "num_attention_heads_per_layer": [48 if i % 4 == 0 else 64 for i in range(40)],
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "layer_types": _periodic(40, ("full_attention", "sliding_attention", "sliding_attention", "sliding_attention")),
+    "mlp_layer_types": ["dense"] + ["sparse"] * 39,
+    "sliding_window": 512,
+    "max_position_embeddings": 131072,
+    "num_experts": 256,
+    "num_experts_per_tok": 8,
+    "moe_intermediate_size": 512,
+    "shared_expert_intermediate_size": 512,
+    "moe_routed_scaling_factor": 2.5,
+    "gating": "per-head",
+    "rope_parameters": {
+        "full_attention": {"rope_type": "yarn", "rope_theta": 500000.0, "partial_rotary_factor": 0.5,
+                           "factor": 32.0, "original_max_position_embeddings": 4096},  # factor, original: guesses
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0},
+    },
+}
+
+
+def laguna_xs_2_config(**overrides):
+    """transformers' ``LagunaConfig`` for ``LAGUNA_XS_2_FULL`` (``overrides`` replace keys; per-layer lists are
+    cut to ``num_hidden_layers`` when that is overridden)."""
+    from transformers import LagunaConfig  # imported here: the presets are plain data elsewhere
+
+    d = {**copy.deepcopy(LAGUNA_XS_2_FULL), **overrides}
+    n = d["num_hidden_layers"]
+    for key in ("num_attention_heads_per_layer", "layer_types", "mlp_layer_types"):
+        if key not in overrides:
+            d[key] = d[key][:n]
+    return LagunaConfig(**d)

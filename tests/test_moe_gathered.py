@@ -93,8 +93,8 @@ from dflash_lab.spec_decode.fast.static_target import dense_experts
 errs = []
 for tokens, k, pool, seed in [(1, 4, 12, 0), (6, 3, 5, 1), (33, 2, 12, 2)]:
     g = torch.Generator().manual_seed(seed)
-    ex = SimpleNamespace(gate_up_proj=torch.randn(12, 32, 40, generator=g), down_proj=torch.randn(12, 40, 16, generator=g),
-                         act_fn=torch.nn.functional.silu)
+    ex = SimpleNamespace(gate_up_proj=torch.randn(12, 32, 40, generator=g),
+                         down_proj=torch.randn(12, 40, 16, generator=g), act_fn=torch.nn.functional.silu)
     sel = torch.stack([torch.randperm(pool, generator=g)[:k] for _ in range(tokens)])
     w = torch.rand(tokens, k, generator=g)
     x = torch.randn(tokens, 40, generator=g)
@@ -116,3 +116,36 @@ def test_the_kernel_in_the_triton_interpreter(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     errs = json.loads(proc.stdout.strip().splitlines()[-1])
     assert len(errs) == 3 and max(errs) < 1e-5
+
+
+def test_one_token_takes_one_block_per_chosen_expert():
+    selected = torch.tensor([[5, 0, 9, 2]])
+    row_pair, block_expert, used = align(selected, 12)
+    assert int(used) == 4 and block_expert.tolist() == [5, 0, 9, 2]
+    rows = row_pair.view(4, BLOCK_M)
+    assert rows[:, 0].tolist() == [0, 1, 2, 3] and bool((rows[:, 1:] == 4).all())
+
+
+def test_the_static_path_with_laguna_xs2s_layer_pattern_matches_transformers():
+    """Per-layer head counts (48/64 scaled down), 1 full : 3 sliding, a dense first layer, YaRN on full layers."""
+    from transformers import DynamicCache, LagunaForCausalLM
+
+    from dflash_lab.presets import laguna_xs_2_config
+    from dflash_lab.spec_decode.fast.static_target import StaticTarget
+    from dflash_lab.target import target_forward
+
+    cfg = laguna_xs_2_config(num_hidden_layers=5, vocab_size=256, hidden_size=64, intermediate_size=96, head_dim=16,
+                             num_attention_heads=4, num_key_value_heads=2, num_experts=8, num_experts_per_tok=3,
+                             moe_intermediate_size=16, shared_expert_intermediate_size=16, sliding_window=8,
+                             num_attention_heads_per_layer=[4, 8, 8, 8, 4])
+    torch.manual_seed(0)
+    model = LagunaForCausalLM(cfg).eval()
+    ids = torch.randint(0, 256, (1, 30), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = target_forward(model, ids, [1, 4], past_key_values=DynamicCache())
+        st = StaticTarget(model, batch=1, capacity=40, layer_ids=[1, 4])
+        pos = torch.arange(30)[None]
+        st.forward(ids[:, :20], pos[:, :20])
+        logits, aux = st.forward(ids[:, 20:], pos[:, 20:])
+    torch.testing.assert_close(logits, ref.logits[:, 20:], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(aux, ref.aux_hidden[:, 20:], rtol=1e-5, atol=1e-5)

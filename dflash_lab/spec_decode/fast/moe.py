@@ -44,12 +44,17 @@ def align(selected: torch.Tensor, n_experts: int, block_m: int = BLOCK_M):
 
     row_pair (n_blocks * block_m,): the pair index (token * k + slot) each padded row holds, or
     N*k on padding rows; block_expert (n_blocks,): the expert of each block (clamped to E-1 past
-    the used ones); used_blocks (1,): how many blocks hold rows. Every op runs on the device.
+    the used ones); used_blocks (1,): how many blocks hold rows. Every op runs on the device. One token
+    (N = 1) needs no sort: k blocks, one per chosen expert (fewer than the bound).
     """
     P = selected.numel()
     dev = selected.device
-    n_blocks = block_bound(P, n_experts, block_m)
     flat = selected.reshape(-1)
+    if selected.shape[0] == 1:  # one token: its k experts are distinct, one block each, no sort (the decode step)
+        rows = torch.arange(P * block_m, device=dev)
+        row_pair = torch.where(rows % block_m == 0, rows // block_m, P)
+        return row_pair, flat, torch.full((1,), P, dtype=torch.long, device=dev)
+    n_blocks = block_bound(P, n_experts, block_m)
     counts = torch.zeros(n_experts, dtype=torch.long, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
     blocks = (counts + block_m - 1) // block_m  # blocks per expert
     block_end = torch.cumsum(blocks, 0)  # (E,)
