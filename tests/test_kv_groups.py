@@ -1115,3 +1115,20 @@ def test_the_explorer_offers_the_split_case_and_its_way_out():
     assert _rows(layout_fig) == 3 and not c.hybrid_off.disabled
     c.hybrid_off.value = True
     assert _rows(layout_fig) == 1 and "hybrid manager disabled" in layout_fig.layout.title.text.replace("<br>", " ")
+
+
+def test_only_the_worked_example_splits_its_drafter_over_groups():
+    """Issue 31: the V2 split-group candidate defect (a Laguna drafter over two KV-cache groups gets the
+    first group's context slots) needs a split drafter. vLLM 0.33's own grouping keeps the shipped pair's
+    and Poolside's XS.2 / S-2.1 drafters in one group (their full-attention bucket is one group); of the
+    chapter's DFlash models only the 4-layer worked example splits, and V1 refuses it."""
+    split = {}
+    for name, preset in kv_presets.PRESETS.items():
+        if preset.get("method") != "dflash":
+            continue
+        specs = kv_presets.preset_specs(name)
+        groups = kv.vllm_kv_cache_groups(specs)
+        split[name] = sum(any(specs[n].is_draft for n in g.layer_names) for g in groups) > 1
+        assert (kv.v1_refusal(specs, groups) is not None) is split[name], name
+    assert {"shipped_pair", "laguna_xs2_dflash", "laguna_s21_dflash"} <= {n for n, s in split.items() if not s}
+    assert {n for n, s in split.items() if s} == {"shipped_target_4_layer_drafter"}
