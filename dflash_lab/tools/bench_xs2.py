@@ -1,4 +1,8 @@
-"""The Laguna-XS.2 projection: the shipped pair's acceptance, Laguna-XS.2's step times.
+"""The older Laguna-XS.2 projection (chapter 5's committed ``projection_graphed``), kept for ``bench spec-decode``.
+
+Superseded: ``bench_xs2_steps`` measures Laguna-XS.2 at all 40 layers with its real layer
+pattern (``benchmarks/xs2_steps.json``) and ``measure.speed_model`` predicts from those steps;
+what follows extrapolates from 2 and 4 all-full-attention sparse layers, as it always did.
 
 The shipped pair is far too small to say what DFlash buys on a real model, so
 the speedup at Laguna-XS.2's size is projected:
@@ -138,27 +142,6 @@ def xs2_drafter_times(*, device, block_sizes, context: int, layers: int, accepte
             out["per_block"][B] = {"wall_ms": round(wall, 4), "kernels_ms": None if kern is None else round(kern, 4)}
             progress(f"  drafter L={layers} B={B:>2}: {wall:.3f} ms wall, {'-' if kern is None else f'{kern:.3f}'} ms in kernels")
     return out
-
-
-def project_speedups(pair_rows, target_t, drafter_t, block_sizes) -> list[dict]:
-    """speedup = tokens per step x T_target(1) / (T_target(B) + T_drafter(B)), per timing kind."""
-    tau = {r["block_size"]: r["mean_acceptance_length"] for r in pair_rows if r["method"].startswith("dflash_b")}
-    rows = []
-    for B in block_sizes:
-        if B not in tau:
-            continue
-        row = {"block_size": B, "tokens_per_step": tau[B]}
-        for kind, dkey in (("wall", "wall_ms"), ("kernels", "kernels_ms")):
-            t1 = target_t["per_block"].get(1, {}).get(kind)
-            tb = target_t["per_block"].get(B, {}).get(kind)
-            td = drafter_t["per_block"][B][dkey]
-            if not (t1 and tb and td):
-                continue
-            key = "40_layers_ms"
-            row[kind] = {"T_target_1_ms": t1[key], "T_target_B_ms": tb[key], "T_drafter_B_ms": td,
-                         "speedup": round(tau[B] * t1[key] / (tb[key] + td), 3)}
-        rows.append(row)
-    return rows
 
 
 # ---------------------------------------------------------------------------
