@@ -23,6 +23,7 @@ The package follows the data path of one DFlash step, a module per step, in this
     train        the recipe: tokenizer, target, self-distillation data, the objective, evaluation
     repro        offline, reproducible runs (network guard, rounding for nbval)
     measure      timing the paths: what chapters time live and the benchmark CLIs write
+    poolside_cards  Poolside's published DFlash speed-ups (card rows, conditions, addresses)
     tools        benchmarks, the notebook report writer, comparison CLIs
 """
 
