@@ -11,6 +11,7 @@ The package follows the data path of one DFlash step, a module per step, in this
     drafter      the DFlash drafter: combine_hidden_states, the attention mask, block drafting
     context_kv   the drafter's context K/V, three paths (reference, batched, folded) and one agreement rule
     checkpoint   save/load in vLLM's DFlashLagunaForCausalLM layout (safetensors)
+    pair_files   a pair's files checked before anything loads: shards, the index, both configs, the fit
     spec_decode  draft -> verify -> accept: proposers, accept rules, stats, /metrics, the loop; fast/ backend
     vllm_engine  vLLM's own engine (CPU build, second virtualenv) on the same checkpoints
     kv_cache     vLLM's KV-cache specs, grouping of hybrid models, draft-group rules (#55390), memory
@@ -18,7 +19,8 @@ The package follows the data path of one DFlash step, a module per step, in this
     widgets      ipywidgets controls wired to those figures
     export       data out: statistics as CSV/JSON, figures as SVG/HTML
     user_prompts your own prompts, from a file named by $DFLASH_LAB_PROMPTS
-    assets       the shipped pair and the held-out prompts
+    assets       the shipped pair (or the one the variables name) and the held-out prompts
+    user_pair    a pair in the format a researcher brings (sharded target, XS.2 layer pattern), random weights
     corpus       the training corpus and its held-out split by file path
     train        the recipe: tokenizer, target, self-distillation data, the objective, evaluation
     repro        offline, reproducible runs (network guard, rounding for nbval)

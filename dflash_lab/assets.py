@@ -109,6 +109,15 @@ def load_default_pair(device=None, *, dtype: torch.dtype | None = None, drafter:
     return target.eval(), drafter.eval(), load_tokenizer(tpath)
 
 
+def load_pair(device=None, *, dtype: torch.dtype | None = None):
+    """(target, {role: drafter} for every drafter of the pair in use (see ``pair_drafters``), tokenizer)."""
+    target, drafter, tokenizer = load_default_pair(device, dtype=dtype)
+    drafters = {"paper": drafter}
+    for role in pair_drafters().keys() - {"paper"}:
+        drafters[role] = load_default_pair(device, dtype=dtype, drafter=role)[1]
+    return target, drafters, tokenizer
+
+
 def heldout_prompts(path=None) -> list[dict]:
     """The held-out prompt set: dicts with ``id``, ``source`` (stdlib path), ``first_line``, ``text``."""
     from .corpus import load_prompts

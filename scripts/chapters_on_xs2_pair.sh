@@ -21,8 +21,11 @@ export DFLASH_LAB_TARGET=$PAIR/target DFLASH_LAB_DRAFTER=$PAIR/drafter
 for ch in "$@"; do
   nb=$(ls notebooks/"$ch"_*.ipynb)
   start=$(date +%s)
-  timeout "${CHAPTER_TIMEOUT:-420}" "$PYTHON" -m dflash_lab.tools.report --out "/tmp/reports-$ch" "$nb" \
-    > "$OUT/chapter-$ch.log" 2>&1
+  # nbclient alone (no HTML export): run it top to bottom in a fresh kernel, as `make report` does
+  timeout "${CHAPTER_TIMEOUT:-420}" "$PYTHON" -c 'import sys, nbformat, nbclient
+nb = nbformat.read(sys.argv[1], as_version=4)
+nbclient.NotebookClient(nb, timeout=1800, kernel_name="python3", resources={"metadata": {"path": "notebooks"}}).execute()
+print("ran", sys.argv[1])' "$nb" > "$OUT/chapter-$ch.log" 2>&1
   rc=$?
   echo "chapter $ch: exit $rc, $(( $(date +%s) - start )) s" | tee -a "$OUT/summary.txt"
 done

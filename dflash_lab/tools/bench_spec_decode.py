@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from ..assets import docstring_prompts, heldout_prompts, load_default_pair, pair_drafters, pair_fingerprint
+from ..assets import docstring_prompts, heldout_prompts, load_pair, pair_fingerprint
 from ..runtime import (
     DOCSTRING_PROMPTS, HELDOUT_PROMPTS, REPO_ROOT, device_name, resolve_device, synchronized_time,
 )
@@ -334,10 +334,7 @@ def spec_decode(args) -> int:
     def save():  # after every section: a timeout keeps what was measured
         return write_results(out, stem, result, spec_decode_markdown(result))
 
-    target, drafter, tokenizer = load_default_pair(device=device)
-    drafters = {"paper": drafter}  # and the second drafter where the target in use has one
-    if "poolside" in pair_drafters():
-        drafters["poolside"] = load_default_pair(device=device, drafter="poolside")[1]
+    target, drafters, tokenizer = load_pair(device)  # and the second drafter where the target in use has one
     measured = []
     for s in sets:  # every set with the same prompt count, prompt length and new tokens
         prompts = prompt_ids(tokenizer, s, n_prompts, PROMPT_LENGTH, device)
@@ -384,7 +381,7 @@ def spec_decode(args) -> int:
         save()
     if args.eager_loop:
         result["shipped_pair"] = measure_eager_loop(
-            target, drafter, heldout[:8], device=device, max_new_tokens=max_new, block_sizes=blocks, progress=log,
+            target, drafters["paper"], heldout[:8], device=device, max_new_tokens=max_new, block_sizes=blocks, progress=log,
             on_row=lambda rows: (result.update(shipped_pair=list(rows)), save()))
     elif previous:
         result.update(shipped_pair=previous, shipped_pair_carried_over=True)
