@@ -113,6 +113,23 @@ def test_fast_path_is_the_eager_loop_token_for_token(small_pair, proposer, block
 # The shipped drafters over ragged batches against the eager loop: tests/test_one_algorithm.py.
 
 
+@pytest.mark.parametrize("name", ["paper", "poolside"])
+def test_a_block_above_the_trained_one_runs_on_the_fast_path_as_on_the_eager_loop(shipped, name):
+    """vLLM never reads dflash_config.block_size for DFlash (num_speculative_tokens decides): both backends run a
+    block of 20 with drafters trained on 16, give the target's greedy tokens and count alike."""
+    from dflash_lab.assets import load_default_pair
+
+    target, drafter, prompts = shipped
+    drafter = drafter if name == "paper" else load_default_pair("cpu", dtype=torch.float32, drafter=name)[1]
+    block = drafter.config.block_size + 4
+    for p in prompts[:2]:
+        eager = speculative_generate(target, drafter, p[None], max_new_tokens=24, block_size=block)
+        fast = fast_generate(target, drafter, p[None], max_new_tokens=24, block_size=block, cuda_graphs=False)
+        plain = target.generate(p[None], max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0)
+        assert torch.equal(fast.output_ids, plain) and torch.equal(eager.output_ids, plain)
+        assert counters(fast.stats) == counters(eager.stats) and len(fast.stats.num_accepted_tokens_per_pos) == block - 1
+
+
 def test_stop_tokens_end_each_sequence_like_the_eager_loop(shipped):
     target, drafter, prompts = shipped
     eager = [speculative_generate(target, drafter, p[None], max_new_tokens=30, block_size=8) for p in prompts[:3]]

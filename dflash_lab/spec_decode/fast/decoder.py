@@ -70,10 +70,8 @@ class FastDecoder:
             block_size = 1
         elif block_size < 2:
             raise ValueError(f"block_size must be >= 2 with a drafter, got {block_size}")
-        if self.method == "dflash":
+        if self.method == "dflash":  # a block above the trained one runs, as in vLLM (it never reads block_size)
             drafter.config.validate_against_target(target.config)
-            if block_size > drafter.config.block_size:
-                raise ValueError(f"block_size {block_size} is larger than the drafter supports ({drafter.config.block_size})")
         self.target, self.drafter, self.B, self.batch = target, drafter, block_size, batch
         self.lookup = prompt_lookup or PromptLookupDrafter(block_size=max(block_size, 2))
         p = _param(target)
@@ -81,7 +79,8 @@ class FastDecoder:
         slack = 2 * block_size + 1  # frozen and overrunning steps write past the last kept position
         layer_ids = list(drafter.config.target_layer_ids) if self.method == "dflash" else []
         self.tgt = StaticTarget(target, batch=batch, capacity=capacity + slack, layer_ids=layer_ids, moe=moe)
-        self.dft = StaticDrafter(drafter, target, batch=batch, capacity=capacity + slack) if self.method == "dflash" else None
+        self.dft = (StaticDrafter(drafter, target, batch=batch, capacity=capacity + slack, block_size=block_size)
+                    if self.method == "dflash" else None)
         self.capacity = capacity
         z = lambda *s, dt=torch.long: torch.zeros(s, dtype=dt, device=self.device)  # noqa: E731
         S, K = self.tgt.capacity, block_size - 1

@@ -32,7 +32,7 @@ from .static_target import round_up
 class StaticDrafter:
     """Context K/V slots and the block step of a ``DFlashLagunaDrafter`` for ``batch`` sequences."""
 
-    def __init__(self, drafter, target, *, batch: int, capacity: int):
+    def __init__(self, drafter, target, *, batch: int, capacity: int, block_size: int | None = None):
         cfg = drafter.config
         p = next(drafter.parameters())
         self.drafter, self.device, self.dtype = drafter, p.device, p.dtype
@@ -41,7 +41,7 @@ class StaticDrafter:
         shape = (len(drafter.layers), batch, self.capacity, cfg.num_key_value_heads, cfg.head_dim)
         self.kv = SlotKV(torch.zeros(shape, device=self.device, dtype=self.dtype),
                          torch.zeros(shape, device=self.device, dtype=self.dtype))
-        self.offsets = torch.arange(cfg.block_size, device=self.device)
+        self.offsets = torch.arange(block_size or cfg.block_size, device=self.device)  # the longest block drafted
         self.mask_token = torch.tensor(cfg.mask_token_id, device=self.device)
 
     def append(self, aux: torch.Tensor, positions: torch.Tensor) -> None:
