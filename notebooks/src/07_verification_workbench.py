@@ -32,7 +32,7 @@ import torch
 from IPython.display import Markdown, display
 
 from dflash_lab import viz
-from dflash_lab.assets import default_device, heldout_prompts, load_default_pair, measured_on_this_pair
+from dflash_lab.assets import default_device, heldout_prompts, load_default_pair, record_note
 from dflash_lab.runtime import BENCHMARKS_DIR, seed_everything
 from dflash_lab.spec_decode import acceptance, speculative_generate
 from dflash_lab.spec_decode.proposers import dflash_draft_logits
@@ -106,6 +106,8 @@ viz.tau_interval_figure(live, title="τ per rule (live: 3 prompts, 16 tokens), 9
 grid = json.loads((BENCHMARKS_DIR / "verification_methods.json").read_text())
 rows, n_grid = grid["rows"], grid["settings"]["prompts"]
 print(grid["settings"])
+if record_note(grid):
+    print("whose numbers:", record_note(grid))
 display(Markdown(markdown(rows)))
 viz.tau_interval_figure(rows, title=f"τ per rule ({n_grid} prompts, 64 tokens, block 8), 95 % interval over prompts")
 
@@ -139,7 +141,7 @@ fly16_run = json.loads((BENCHMARKS_DIR / "verification_fly_b16.json").read_text(
 s16, f16 = row("standard", 0.0, "greedy", fly16_run["rows"]), row("fly", 0.0, "greedy", fly16_run["rows"])
 print(f"block 16, T=0 (16 prompts): τ standard {s16['tau']:.2f}, fly {f16['tau']:.2f}; "
       f"fly's tokens not the target's argmax: {f16['not_target_argmax']:.3f}"
-      + ("" if measured_on_this_pair(fly16_run) else " (a committed run on an earlier shipped pair, not these weights)"))
+      + (f" ({record_note(fly16_run)})" if record_note(fly16_run) else ""))
 
 # %% [markdown]
 # ## 4. Explore
