@@ -394,9 +394,9 @@ def test_context_kv_paths_agree_on_cuda(make_drafter, layers, layer_type, rotary
                 assert agreement["mean_err"] <= mean_tol, (dtype, path, agreement["mean_err"])
 
 
-def test_bf16_tolerance_is_the_issue_bound_at_unit_scale_and_two_steps_past_four():
+def test_bf16_tolerance_is_the_issue_bound_at_unit_scale_and_two_steps_plus_a_margin_past_four():
     assert context_kv_tolerance(torch.bfloat16, 1.0) == (6e-2, 5e-3)
-    assert context_kv_tolerance(torch.bfloat16, 7.1) == (2 * 2.0**-5, 5e-3)  # |K| in [4, 8): step 2**-5
+    assert context_kv_tolerance(torch.bfloat16, 7.1) == (3 * 2.0**-5, 5e-3)  # |K| in [4, 8): 2 steps + 1 of margin
     assert context_kv_tolerance(torch.float32, 0.5) == (1e-5, None)
     assert context_kv_tolerance(torch.float32, 8.0)[0] == pytest.approx(8e-5)
 

@@ -15,7 +15,8 @@ model outputs themselves; they draw what they are given.
     verification  chapter 7: verification rules side by side (per-position rates, τ intervals)
 """
 
-from dflash_lab.viz.common import METHOD_COLOR_NAMES, METHOD_COLORS, PALETTE, html_table, method_color, save_figure
+from dflash_lab.viz.common import (METHOD_COLOR_NAMES, METHOD_COLORS, PALETTE, answer_table, html_table, method_color,
+                                   save_figure)
 from dflash_lab.viz.drafter import (
     PARAMETER_GROUPS,
     layer_table_html,
@@ -53,7 +54,7 @@ from dflash_lab.viz.verification import tau_interval_figure, verification_rates_
 
 __all__ = [
     "PALETTE", "METHOD_COLORS", "METHOD_COLOR_NAMES", "method_color", "save_figure",
-    "PARAMETER_GROUPS", "html_table", "layer_table_html", "parameter_bars_figure", "parameter_table_html",
+    "PARAMETER_GROUPS", "answer_table", "html_table", "layer_table_html", "parameter_bars_figure", "parameter_table_html",
     "rope_table_html", "visibility_mask_figure",
     "context_kv_head_norms_figure", "context_kv_norms_figure", "context_kv_path_figure", "k_norm_effect_figure",
     "TOKEN_COLORS", "acceptance_length_histogram", "acceptance_sweep_figure", "acceptance_tokens_html",

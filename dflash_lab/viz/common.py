@@ -168,3 +168,17 @@ def html_table(header, rows, *, align=None, max_height: int | None = None, capti
     if max_height:
         return f'<div style="max-height:{max_height}px;overflow-y:auto;display:inline-block">{table}</div>'
     return table
+
+
+def answer_table(header, rows, *, caption: str | None = None):
+    """A small table a chapter's Answer displays: Markdown that JupyterLab renders as a table (never printed as
+    raw pipes), kept in the committed notebook as text/markdown so nbval compares it. Cells are plain text."""
+    from IPython.display import Markdown
+
+    def cell(c) -> str:
+        return str(c).replace("|", "\\|").replace("\n", " ")
+
+    lines = ([f"**{caption}**", ""] if caption else []) + ["| " + " | ".join(cell(h) for h in header) + " |",
+                                                          "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(cell(c) for c in row) + " |" for row in rows]
+    return Markdown("\n".join(lines))
