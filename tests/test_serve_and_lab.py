@@ -150,7 +150,7 @@ def test_each_stop_signal_stops_the_whole_tree(stand_in_venv, sig):
     tree = process_tree(wrapper.pid)
     assert len(tree) >= 4, tree  # the wrapper, the server, its child and grandchild
     wrapper.send_signal(sig)
-    assert wrapper.wait(timeout=60) == 128 + sig
+    assert wrapper.wait(timeout=60) == 0  # a stop asked for is a clean exit (no `make: *** Error 143`)
     assert wait_until_gone(tree, 30) == []
 
 
@@ -189,7 +189,7 @@ def test_sigterm_to_the_wrapper_stops_vllms_whole_tree_and_the_readme_request_re
         wrapper.send_signal(signal.SIGTERM)
         code = wrapper.wait(timeout=90)
         left = wait_until_gone(tree, 30)
-    assert code == 128 + signal.SIGTERM
+    assert code == 0
     assert left == []
 
 

@@ -4,7 +4,8 @@
 
 Prints the port at once and the URL once the server answers, then serves until
 stopped. Ctrl-C, SIGTERM and SIGHUP all stop vLLM's whole process tree (API
-server, engine core, workers) before this process exits with 128 + the signal.
+server, engine core, workers) before this process exits with 0: a stop asked for is not a failure,
+so `make serve` ends without an error either.
 """
 
 from __future__ import annotations
@@ -117,9 +118,9 @@ def main(argv=None) -> int:
     except (VLLMEngineError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    except Stopped as stop:  # serve() has stopped vLLM's process tree on the way out
-        print(f"\nstopped ({stop})", file=sys.stderr, flush=True)
-        return 128 + stop.signum
+    except Stopped as stop:  # serve() has stopped vLLM's process tree on the way out: a clean, asked-for stop
+        print(f"\nstopped ({stop}): vLLM's processes have all exited", file=sys.stderr, flush=True)
+        return 0
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import collections
 import os
+import re
 import signal
 import subprocess
 import threading
@@ -95,6 +96,16 @@ def engine_env(*, shim: bool = True, in_process: bool = False) -> dict[str, str]
 # ---------------------------------------------------------------------------
 
 
+# nanobind's report, at interpreter exit, of objects a compiled extension of vLLM's never freed: a line per
+# object, dozens on every clean shutdown, nothing a user can act on. Kept in the tail, never echoed.
+_EXIT_NOISE = re.compile(r"^nanobind: |^\s*- leaked (instance|type|function)\b")
+
+
+def is_exit_noise(line: str) -> bool:
+    """True for a line of nanobind's leak report, which vLLM's processes print when they exit."""
+    return bool(_EXIT_NOISE.search(line))
+
+
 class EngineProcess:
     """A vLLM process in its own session; stdout+stderr kept as a tail (and echoed to ``echo`` if given).
 
@@ -118,7 +129,7 @@ class EngineProcess:
         for line in self.proc.stdout:
             line = line.rstrip("\n")
             self.tail.append(line)
-            if self._echo is not None:
+            if self._echo is not None and not is_exit_noise(line):
                 print(line, file=self._echo, flush=True)
             if self._on_line is not None:
                 self._on_line(line)
