@@ -2,7 +2,8 @@
 
 For each notebook: open it, Run > Run All Cells, and wait for the kernel. Then
 
-1. no cell has an error output;
+1. no cell has an error output, and every cell printed what the committed notebook holds, by
+   nbval's rules (`nbval_outputs.py`): this Run All is the chapter's one execution in CI;
 2. every plotly figure rendered: an SVG whose data traces have drawn geometry,
    both for figures shown with fig.show() and for FigureWidgets (the kernel
    says how many FigureWidgets each widget output holds, and that many must
@@ -40,6 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from nbval_outputs import output_differences
 
 pytestmark = pytest.mark.browser
 
@@ -89,6 +91,11 @@ JS_STATE = "(path) => {" + PANEL + """
 # Figures, widget views and their health, per output. Plotly graph divs carry
 # their figure in gd.data / gd.layout; a trace counts as drawn when its element
 # has a non-empty box on the page.
+# Each code cell's outputs as the notebook model holds them (nbformat JSON), in order.
+JS_CELL_OUTPUTS = "(path) => {" + PANEL + """
+  return panel.content.widgets.filter(c => c.model.type === 'code').map(c => c.model.outputs.toJSON());
+}"""
+
 JS_OUTPUTS = "(path) => {" + PANEL + """
   const TRACES = 'g.trace, g.hm, g.contour, g.table, g.sankey, .imagelayer image, .heatmaplayer image, g.slice, '
                  + '.gl-container canvas, .parcoords canvas';
@@ -700,6 +707,8 @@ def test_notebook_runs_renders_and_reacts(notebook, lab_server, lab_page, screen
             pytest.fail(f"{rel}: cell {err['cell']} raised {err['ename']}: {err['evalue']}\n"
                         + ANSI.sub("", err["traceback"]), pytrace=False)
         assert state["done"] == state["code"], f"{rel}: only {state['done']} of {state['code']} code cells ran"
+        differ = output_differences(notebook, nb.page.evaluate(JS_CELL_OUTPUTS, nb.path))
+        assert not differ, f"{rel}: printouts differ from the committed notebook (nbval's rules):\n" + "\n".join(differ)
 
         # 2-3. figures drawn, widget views rendered
         problems, found = wait_rendered(nb)
