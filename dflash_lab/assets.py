@@ -36,6 +36,8 @@ from .runtime import (
 # and Poolside's sliding-window, causal one (trained for the shipped target only).
 DRAFTERS = {"paper": DEFAULT_DRAFTER, "poolside": CHECKPOINTS_DIR / "laguna-tiny-code-dflash-poolside"}
 DRAFTER2_ENV = "DFLASH_LAB_DRAFTER2"  # a second drafter for the target in use (chapters that compare two)
+# A third prompt set: held-out prompts whose continuation the shipped target does not loop on (tools.bench_repetition).
+NONREPETITIVE_PROMPTS = CHECKPOINTS_DIR / "nonrepetitive_prompts.json"
 
 
 def is_shipped_target() -> bool:
@@ -129,6 +131,13 @@ def docstring_prompts(path=None) -> list[dict]:
     """The docstring-first prompt set (``corpus.cut_docstring_prompts``, checkpoints/docstring_prompts.json): a
     function's signature and docstring, the continuation its body; dicts as ``heldout_prompts``'s, plus ``def_line``."""
     return heldout_prompts(path or DOCSTRING_PROMPTS)
+
+
+def nonrepetitive_prompts(path=None) -> list[dict]:
+    """The non-repetitive prompt set (checkpoints/nonrepetitive_prompts.json): held-out prompts whose greedy
+    continuation by the shipped target repeats fewer than a quarter of its 4-grams; dicts as ``heldout_prompts``'s,
+    plus ``repeated_4gram_share``."""
+    return heldout_prompts(path or NONREPETITIVE_PROMPTS)
 
 
 def pair_fingerprint() -> dict:

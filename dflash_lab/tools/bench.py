@@ -4,6 +4,7 @@
     python -m dflash_lab.tools.bench spec-decode [--quick]  # tokens/s of the shipped pair; speedup projected to Laguna-XS.2
     python -m dflash_lab.tools.bench acceptance [--quick]   # acceptance of the shipped pair on the held-out prompts
     python -m dflash_lab.tools.bench drafters [--quick]     # both shipped drafters, two prompt sets, bootstrap intervals
+    python -m dflash_lab.tools.bench repetition [--quick]   # τ on repetitive vs non-repetitive continuations
 
 Each benchmark is a module beside this one (bench_context_kv, bench_spec_decode,
 bench_acceptance) that registers its subcommand; what they share (timing,
@@ -18,14 +19,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import bench_acceptance, bench_context_kv, bench_drafters, bench_spec_decode
+from . import bench_acceptance, bench_context_kv, bench_drafters, bench_repetition, bench_spec_decode
 
-BENCHMARKS = (bench_context_kv, bench_spec_decode, bench_acceptance, bench_drafters)
+BENCHMARKS = (bench_context_kv, bench_spec_decode, bench_acceptance, bench_drafters, bench_repetition)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m dflash_lab.tools.bench", description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{context-kv,spec-decode,acceptance,drafters}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{context-kv,spec-decode,acceptance,drafters,repetition}")
     for benchmark in BENCHMARKS:
         benchmark.add_command(sub)
     return parser

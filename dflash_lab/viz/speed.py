@@ -83,6 +83,12 @@ def speedup_vs_tau_figure(records, *, cuda_graphs: bool = True, prompt_set: str 
                   height=640)
 
 
+def has_drafter(method: str) -> bool:
+    """True for a method whose step runs a drafter forward (every DFlash drafter); False for plain greedy and
+    prompt lookup, whose "draft" phase is only host bookkeeping."""
+    return method.startswith("dflash")
+
+
 def step_time_figure(phases: dict, *, taus: dict | None = None, title: str | None = None) -> go.Figure:
     """One stacked bar per method: milliseconds per step in each phase (each phase timed as its own graph).
 
@@ -94,7 +100,7 @@ def step_time_figure(phases: dict, *, taus: dict | None = None, title: str | Non
     ys = [METHOD_LABELS.get(m, m) + (f", block {phases[m]['block_size']}" if m != "target_only" else "") for m in methods]
     ms_of = {m: {k: phases[m][f"{k}_ms_per_step"] for k in PHASE_STYLE} for m in methods}
     for m in methods:  # without a drafter the "draft" phase only sets the block's positions: bookkeeping
-        if m != "dflash":
+        if not has_drafter(m):
             ms_of[m]["accept"] += ms_of[m].pop("draft")
             ms_of[m]["draft"] = 0.0
     fig = go.Figure()

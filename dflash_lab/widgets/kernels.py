@@ -48,10 +48,10 @@ def fused_kernel_explorer(drafter, context, positions, records, *, layers: int =
     path = widgets.ToggleButtons(options=list(CONTEXT_KV_PATHS), value="folded", description="path", style=WIDE_BUTTONS)
     if runnable:
         fused = widgets.Checkbox(value=kernels.fused_enabled(), description="fused Triton epilogue (folded path)",
-                                 indent=False, layout=widgets.Layout(width="auto"))
+                                 indent=False, layout=widgets.Layout(width="auto", margin="0 24px 0 0"))
     else:
-        fused = widgets.Checkbox(value=False, disabled=True, description=f"fused Triton epilogue: {FUSED_NEEDS}",
-                                 indent=False, layout=widgets.Layout(width="auto"),
+        fused = widgets.Checkbox(value=False, disabled=True, description="fused Triton epilogue (folded path)",
+                                 indent=False, layout=widgets.Layout(width="auto", margin="0 24px 0 0"),
                                  tooltip=f"The fused kernel {FUSED_NEEDS}; this machine runs {context.device.type} "
                                          f"tensors{'' if kernels.triton is not None else ' and has no Triton'}.")
     dtype = widgets.ToggleButtons(options=list(CONTEXT_KV_DTYPES), value="float32", description="dtype", style=WIDE_BUTTONS)
@@ -85,8 +85,6 @@ def fused_kernel_explorer(drafter, context, positions, records, *, layers: int =
             with_k, without = (ms, other) if run_fused else (other, ms)
             line += (f"<br>folded path here: {with_k:.3f} ms with the fused kernel, {without:.3f} ms without "
                      f"({without / with_k:.2f}×)")
-        elif not runnable:
-            line += f"<br>the fused kernel {FUSED_NEEDS}: not run here"
         parity.value = line
 
     def figure():
@@ -110,7 +108,7 @@ def fused_kernel_explorer(drafter, context, positions, records, *, layers: int =
     box = widgets.VBox([widgets.HBox([path, depth], layout=wrap), widgets.HBox([fused, dtype], layout=wrap), note,
                         parity, fig])
     box.path, box.fused, box.dtype, box.layers, box.parity, box.figure = path, fused, dtype, depth, parity, fig
-    box.timing, box.runnable = timing, runnable
+    box.timing, box.runnable, box.note = timing, runnable, note
     return box
 
 

@@ -48,7 +48,7 @@ def drafter_training_explorer(target, data: dict, probe, *, steps: int = 200, ma
     runs = []
 
     def train(*_):
-        label = f"{depth.value} layers, {attention.value}, block {block.value}"
+        label = f"{depth.value} layer{'s' * (depth.value != 1)}, {attention.value}, block {block.value}"
         cfg = drafter_train_config(target.config, steps=n_steps.value, block_size=block.value, num_layers=depth.value,
                                    attention=ATTENTION_CHOICES[attention.value], **(train_kwargs or {}))
         figure.layout.xaxis.range = figure.layout.xaxis2.range = [0, cfg.steps]
@@ -70,7 +70,8 @@ def drafter_training_explorer(target, data: dict, probe, *, steps: int = 200, ma
         with figure.batch_update():
             figure.layout.xaxis.range = figure.layout.xaxis2.range = [0, n_steps.value]
             figure.layout.xaxis3.range = [0.5, block.value - 0.5]
-        summary.value = (f"<i>next run: {depth.value} layers, {attention.value}, block {block.value}, "
+        summary.value = (f"<i>next run: {depth.value} layer{'s' * (depth.value != 1)}, {attention.value}, "
+                         f"block {block.value}, "
                          f"{n_steps.value} steps; press train</i>")
 
     for control in (block, depth, attention, n_steps):
