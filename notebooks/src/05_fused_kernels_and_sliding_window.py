@@ -75,6 +75,7 @@ from dflash_lab.spec_decode import generate_on_prompts
 from dflash_lab.target import target_forward
 from dflash_lab.measure import context_kv as bench_context_kv, decoding as bench_fast_decode
 from dflash_lab.measure.decoding import records_of
+from dflash_lab.measure.repetition import setting_line
 from dflash_lab.measure.timing import XS2
 from dflash_lab.viz.kernels import context_kv_live_figure
 from dflash_lab.widgets import fused_kernel_explorer, window_acceptance_explorer
@@ -115,7 +116,26 @@ print("context:", tuple(context.shape), "positions", int(positions[0]), "..", in
 #   layer's norm weight into its K/V rows once, normalise the context **once**, run
 #   **one** GEMM `[N, H] × [H, L·2·nkv·hd]` for every layer's K and V.
 #
-# They must agree: to float32 rounding in float32, within bf16 rounding in bf16.
+# The folded path's algebra, as code, in float32 on the drafter in use (biases, where a config has them, add
+# after either product and are left out here):
+
+# %%
+d32, x = copy.deepcopy(drafter).float(), context.float()  # x: the context state (N, H)
+x_hat = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps)  # RMSNorm without its weight: one per x
+per_layer, folded_rows = [], []
+for layer in d32.layers:
+    attn, w = layer.self_attn, layer.input_layernorm.weight  # w: this layer's RMSNorm weight (H,)
+    W = attn.qkv_proj.weight[attn.q_size:]  # this layer's K and V rows (2*nkv*hd, H)
+    per_layer.append((x_hat * w) @ W.T)  # what each layer does: scale by w, then project; L products
+    folded_rows.append(W * w)  # the fold, done once before any token: w multiplied into W's columns
+one_gemm = x_hat @ torch.cat(folded_rows).T  # ONE product for every layer's K and V: (N, L*2*nkv*hd)
+gap = (torch.cat(per_layer, dim=1) - one_gemm).abs().max().item()
+print(f"{len(per_layer)} products of ({x.shape[0]}, {x.shape[1]}) x ({x.shape[1]}, {W.shape[0]}) vs one of "
+      f"({x.shape[0]}, {x.shape[1]}) x ({x.shape[1]}, {one_gemm.shape[1]}): equal to float32 rounding: {gap < 1e-4}")
+
+# %% [markdown]
+# K-norm and RoPE then run on the K columns of that one product, as in every path. The three paths must agree:
+# to float32 rounding in float32, within bf16 rounding in bf16.
 
 # %%
 variants = [("batched", "batched", None), ("folded", "folded", False)]
@@ -229,10 +249,12 @@ display(Markdown(
     f"and {times(there['reference'], there['folded'])} than the loop, and the GEMM is {there['gemm_floor'] / there['folded']:.0%} "
     f"of the folded path. Either way, what separates the paths is not the product, which they share, but the "
     f"passes over memory around it (norms, RoPE, copies): how much they cost next to the GEMM depends on the "
-    f"machine and on the shapes."
+    f"machine and on the shapes. Why `batched` can lose to the loop on a CPU: it writes L = {L_here} normalised "
+    f"copies of the context ({L_here * N_top * cfg.hidden_size * 4 / 2**20:.1f} MB in float32 at N = {N_top}) before "
+    f"its batched product reads them back, and a CPU gains nothing from launching fewer kernels (it launches none); "
+    f"on a GPU, where each launch and each pass over memory costs, stacking the layers is what pays."
     + (f" The fused kernel here: {times(here['folded'], here['folded_triton'])} than the folded path in torch."
-       if "folded_triton" in here else
-       " The fused kernel needs a CUDA GPU with Triton, so it is not timed here; the committed run has it.")))
+       if "folded_triton" in here else "")))
 
 # %% [markdown]
 # The lab's targets for the fused kernel, on the committed H200 run at L = 5, N = 32768:
@@ -308,6 +330,8 @@ if SPEED_OWNER:
 
 # %%
 base = {(r["batch"], r["cuda_graphs"]): r["tokens_per_s"] for r in speed_records if r["method"] == "target_only"}
+print(setting_line(f"{speed['n_prompts']} held-out prompts (last 256 tokens)", speed["max_new_tokens"], "4 / 8 / 16",
+                   "longer generations in bf16 on a GPU (the target's continuations differ from CPU float32's)"))
 for r in speed_records:
     if r["cuda_graphs"] and r["batch"] == 1:
         tau = f"tau {r['mean_acceptance_length']:.2f}" if r["mean_acceptance_length"] else "tau -   "
@@ -460,6 +484,8 @@ for w in tqdm([None, 32, 8], desc="windows"):
                                           block_size=BLOCK, progress=False)
 
 # %%
+print(setting_line(f"{len(prompts)} held-out prompts (last {PROMPT_TOKENS} tokens)", MAX_NEW, BLOCK,
+                   "a few short prompts and a short budget, so every window runs in seconds"))
 for w, stats in by_window.items():
     print(f"{'full attention' if w is None else f'window {w}':15s} tau {rounded(stats.mean_acceptance_length, 3)}  "
           f"drafts {stats.num_drafts}")
@@ -488,29 +514,32 @@ window_acceptance_explorer(target, drafter, prompts, block_size=BLOCK, max_new_t
 
 # %%
 targets = {t["ratio"]: t["value"] for t in bench_context_kv.context_kv_targets(committed, L=L, N=N)}
-print(f"- Not what the drafter computes: every context-K/V path agrees with the reference in float32 and bfloat16: "
-      f"{all(paths_agree.values())} ({', '.join(dict.fromkeys(name for _, name in paths_agree))}).")
-print(f"- The time: at Laguna-XS.2 shapes (L={L}, N={N}, {committed[0]['device']}) the fused folded path is "
-      f"{targets['reference / folded_triton']:.1f}x faster than the reference loop, "
-      f"{targets['batched_compiled / folded_triton']:.1f}x faster than torch.compile of vLLM's structure, and "
-      f"within {targets['folded_triton / gemm_floor']:.2f}x of the GEMM alone, which every path must do.")
 dflash16 = next(r for r in speed_records if r["method"] == "dflash" and r["block_size"] == 16 and r["batch"] == 1
                 and r["cuda_graphs"])
-print(f"- With the whole decode step fused and graphed ({dflash16['device']}), DFlash at block 16 yields tau "
-      f"{dflash16['mean_acceptance_length']:.2f} tokens per target forward and runs "
-      f"{dflash16['tokens_per_s'] / base[(1, True)]:.2f}x as fast as plain greedy decoding"
-      + (f" ({SPEED_OWNER})." if SPEED_OWNER else "."))
 full, w32, w8 = (by_window[w].mean_acceptance_length for w in (None, 32, 8))
-print(f"- The window changes what the drafter sees, not the cache: on {len(prompts)} held-out prompts, block "
-      f"{BLOCK}, tau {full:.2f} with full attention, {w32:.2f} with a window of 32, {w8:.2f} with a window of 8.")
+speed_from = f"{'this run' if device.type == 'cuda' else 'committed run'}, {dflash16['device']}" + (
+    f" ({SPEED_OWNER})" if SPEED_OWNER else "")
+viz.answer_table(["what", "value", "from"], [
+    ["every context-K/V path equals the reference (float32, bfloat16)", str(all(paths_agree.values())),
+     "this run"],
+    [f"τ on {len(prompts)} held-out prompts, {MAX_NEW} new tokens, block {BLOCK}: full attention / window 32 / 8",
+     f"{full:.2f} / {w32:.2f} / {w8:.2f}", "this run"],
+    [f"fused folded path at Laguna-XS.2 shapes (L = {L}, N = {N}) vs the reference loop / torch.compile'd batched / "
+     "the GEMM alone", f"{targets['reference / folded_triton']:.1f}x faster / {targets['batched_compiled / folded_triton']:.1f}x "
+     f"faster / within {targets['folded_triton / gemm_floor']:.2f}x", f"committed run, {committed[0]['device']}"],
+    [f"DFlash, block 16, {speed['n_prompts']} held-out prompts, {speed['max_new_tokens']} new tokens: τ and speed-up "
+     "over plain greedy", f"τ {dflash16['mean_acceptance_length']:.2f}, {dflash16['tokens_per_s'] / base[(1, True)]:.2f}x",
+     speed_from],
+], caption="Chapter 5's answer: what this run computed, and what only the committed GPU runs measure")
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-print(f"- The time, measured here ({live[0]['device']}, the drafter in use, N = {N_top}): batched "
-      f"{times(here['reference'], here['batched'])} and folded {times(here['reference'], here['folded'])} than the "
-      f"reference loop" + (f", the fused kernel {times(here['reference'], here['folded_triton'])}."
-                           if "folded_triton" in here else
-                           "; the fused kernel needs a CUDA GPU with Triton and was not run here."))
+viz.answer_table(["path (the drafter in use, N = " + str(N_top) + ")", "vs the reference loop, timed now"], [
+    ["batched", times(here["reference"], here["batched"])],
+    ["folded (torch)", times(here["reference"], here["folded"])],
+    ["folded + fused kernel", times(here["reference"], here["folded_triton"]) if "folded_triton" in here
+     else "needs a CUDA GPU with Triton: not run here"],
+], caption=f"Timed in this run on {live[0]['device']} (varies run to run)")
 
 # %% [markdown]
 # - The three context-K/V paths compute the same K and V; the fused kernel keeps the
