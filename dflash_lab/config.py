@@ -57,6 +57,9 @@ def read_json(file: Path):
         raise ConfigError(f"{file} is not UTF-8 text: {e.reason}") from None
 
 
+DEFAULT_BLOCK_SIZE = 16  # 1 real token + 15 drafts: the paper's block and the shipped drafters'
+
+
 @dataclass
 class DFlashDrafterConfig:
     hidden_size: int  # must equal the target's: embeddings and lm_head are shared
@@ -69,7 +72,7 @@ class DFlashDrafterConfig:
     draft_vocab_size: int  # == target vocabulary (the lm_head is the target's)
     target_layer_ids: list[int]  # target layers whose outputs feed the drafter, ascending (vLLM's order)
     mask_token_id: int  # fills positions 1.. of every block
-    block_size: int = 16  # the largest block the drafter was trained for
+    block_size: int = DEFAULT_BLOCK_SIZE  # the largest block the drafter was trained for
     target_hidden_size: int | None = None  # fc input is this x len(target_layer_ids)
     target_layer_count: int | None = None  # drafter attention layer j is named target_layer_count + j
     rms_norm_eps: float = 1e-6
@@ -190,7 +193,7 @@ class DFlashDrafterConfig:
         mask_id = get_int(mask_key, src=mask_src, name=mask_name, minimum=0)
         if mask_id >= vocab:
             raise err(mask_name, f"({mask_id}) is outside the vocabulary (draft_vocab_size {vocab})")
-        block = dflash.get("block_size", d.get("block_size", 16))
+        block = dflash.get("block_size", d.get("block_size", DEFAULT_BLOCK_SIZE))
         if isinstance(block, bool) or not isinstance(block, int) or block < 2:
             raise err("dflash_config.block_size", f"must be an integer >= 2, got {block!r}")
 

@@ -370,6 +370,16 @@ class DFlashLagunaDrafter(nn.Module):
         return ops.norm(self.norm, h)
 
 
+def draft_block_ids(first: torch.Tensor, block_size: int, mask_token_id: int) -> torch.Tensor:
+    """The drafter's input block [x_t, MASK x (B-1)] for every x_t in ``first`` (...,) -> (..., B).
+
+    Every backend and the training objective build their blocks here.
+    """
+    block = torch.full((*first.shape, block_size), mask_token_id, dtype=torch.long, device=first.device)
+    block[..., 0] = first
+    return block
+
+
 def with_window(drafter: DFlashLagunaDrafter, window: int | None) -> DFlashLagunaDrafter:
     """The same weights, drafting with attention window ``window`` (None: no window).
 

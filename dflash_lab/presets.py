@@ -142,11 +142,6 @@ def shrink_drafter_config(d: dict, *, hidden_size: int = 64, num_attention_heads
     return out
 
 
-def shrink_target_config(t: dict, *, hidden_size: int = 64, vocab_size: int = 512) -> dict:
-    """A target config dict that pairs with ``shrink_drafter_config``'s output (same depth and ids)."""
-    return {**copy.deepcopy(t), "hidden_size": hidden_size, "vocab_size": vocab_size}
-
-
 # Laguna-XS.2 as a full transformers ``LagunaConfig`` (33.5 B parameters), for building it with random
 # weights at its true shape. From the published config.json: 48 attention heads, one full-attention layer
 # in four (period FULL, SWA, SWA, SWA), the first layer's MLP dense and the rest sparse (256 experts,

@@ -98,6 +98,19 @@ def device_name(device: torch.device) -> str:
     return f"CPU ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
 
 
+def is_int(x) -> bool:
+    """An int, and not a bool (``True`` is an ``int`` to Python, never a count or a size to us)."""
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def first_parameter(module):
+    """The module's first parameter (its device and dtype), or None for an object without parameters."""
+    try:
+        return next(module.parameters())
+    except (StopIteration, AttributeError):
+        return None
+
+
 def synchronized_time(device: torch.device) -> float:
     """perf_counter() after the device has finished its queued work."""
     if torch.device(device).type == "cuda":

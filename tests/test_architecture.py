@@ -126,3 +126,77 @@ def test_chapters_import_nothing_from_tools():
 
     offenders = [f.name for f in sources if imports_tools(f)]
     assert not offenders, f"chapters importing dflash_lab.tools: {offenders}"
+
+
+# ---------------------------------------------------------------------------
+# One proposer interface, checked by behaviour: every backend takes the same drafter
+# argument through ``proposers.resolve_drafter``, refuses what it does not know, and
+# drafts with what it is given (test_one_algorithm.py: the DFlash matrix).
+# ---------------------------------------------------------------------------
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def lab_pair():
+    from dflash_lab.assets import heldout_prompts, load_default_pair
+
+    target, drafter, tok = load_default_pair("cpu", dtype=torch.float32)
+    prompts = [torch.tensor(tok(p["text"])["input_ids"][-n:]) for p, n in zip(heldout_prompts(), (40, 23))]
+    return target, drafter, prompts
+
+
+def backends(target, prompts):
+    """Every decoding backend, as a function of the drafter argument."""
+    from dflash_lab.spec_decode import fast_generate, fast_generate_batch, speculative_generate
+    from dflash_lab.spec_decode.fast.decoder import FastDecoder
+    from dflash_lab.train import AcceptanceProbe
+    from dflash_lab.train.evaluate import evaluate_acceptance
+
+    return {
+        "eager": lambda d: speculative_generate(target, d, prompts[0], max_new_tokens=4, block_size=4),
+        "fast": lambda d: fast_generate(target, d, prompts[0], max_new_tokens=4, block_size=4, cuda_graphs=False),
+        "fast batched": lambda d: fast_generate_batch(target, d, prompts, max_new_tokens=4, block_size=4,
+                                                      cuda_graphs=False),
+        "FastDecoder": lambda d: FastDecoder(target, d, batch=1, block_size=4, capacity=64, cuda_graphs=False),
+        "evaluation": lambda d: AcceptanceProbe(target, [prompts[0]], max_new_tokens=4)(d, 4),
+        "evaluate_acceptance": lambda d: evaluate_acceptance(target, d, None, [{"input_ids": prompts[0].tolist()}],
+                                                             block_sizes=(4,), max_new_tokens=4),
+    }
+
+
+@pytest.mark.parametrize("unknown, error", [("eagle", ValueError), (object(), TypeError), (42, TypeError)],
+                         ids=["a-method-name", "an-object", "a-number"])
+def test_every_backend_refuses_an_unknown_drafter_by_name(lab_pair, unknown, error):
+    target, _, prompts = lab_pair
+    for name, run in backends(target, prompts).items():
+        with pytest.raises(error, match="drafter must be a DFlashLagunaDrafter") as caught:
+            run(unknown)
+        assert "drafter" in str(caught.value), name
+
+
+def test_every_backend_drafts_with_the_proposer_it_is_given(lab_pair):
+    """Prompt lookup, "no drafter" and a proposer of the caller's own: the eager loop and the fast path
+    (batch 1 and batched) give the same tokens and counts; a proposer is used, never replaced."""
+    from dflash_lab.spec_decode import fast_generate_batch, speculative_generate
+    from dflash_lab.spec_decode.proposers import PromptLookupDrafter
+
+    class Repeat:  # a proposer the lab does not ship: propose the last token again
+        block_size, max_block_size = 4, None
+
+        def propose(self, tokens, num_draft):
+            return [tokens[-1]] * num_draft
+
+    target, _, prompts = lab_pair
+    for drafter in ("ngram", None, PromptLookupDrafter(prompt_lookup_min=3, prompt_lookup_max=3), Repeat()):
+        eager = [speculative_generate(target, drafter, p, max_new_tokens=12, block_size=4) for p in prompts]
+        fast = fast_generate_batch(target, drafter, prompts, max_new_tokens=12, block_size=4, cuda_graphs=False)
+        for e, f in zip(eager, fast):
+            assert f.new_token_ids == e.new_token_ids, drafter
+            got, want = f.stats, e.stats
+            assert (got.num_drafts, got.num_draft_tokens, got.num_accepted_tokens) == (
+                want.num_drafts, want.num_draft_tokens, want.num_accepted_tokens), drafter
+            if want.num_drafts:  # (with no drafter the fast path runs block 1: no positions to count)
+                assert got.num_accepted_tokens_per_pos == want.num_accepted_tokens_per_pos, drafter
+    assert sum(r.stats.num_drafts for r in eager) > 0  # the home-made proposer did draft

@@ -31,10 +31,11 @@ import torch
 from tqdm.auto import tqdm
 from transformers import DynamicCache
 
-from ..drafter import DFlashLagunaDrafter
-from ..runtime import synchronized_time
+from ..config import DEFAULT_BLOCK_SIZE
+from ..drafter import DFlashLagunaDrafter, draft_block_ids
+from ..runtime import first_parameter, is_int, synchronized_time
 from ..target import target_forward
-from .proposers import DFlashContext, NoDrafter, PromptLookupDrafter, dflash_draft_logits
+from .proposers import DFlashContext, PromptLookupDrafter, check_block_size, dflash_draft_logits, resolve_drafter
 from .sampling import (DRAFT_SAMPLE_METHODS, draft_distribution, greedy_accept, logits_to_probs, make_verifier,
                        rejection_sample, sample)
 from .stats import SpecDecodeStats
@@ -115,54 +116,27 @@ def verify_forward(target, input_ids: torch.Tensor, cache: DynamicCache, start: 
 # ---------------------------------------------------------------------------
 
 
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _param(module):
-    try:
-        return next(module.parameters())
-    except (StopIteration, AttributeError):
-        return None
-
-
 def check_generation_args(target, drafter, input_ids, *, max_new_tokens, block_size, temperature, top_p, top_k,
                           seed, stop_token_ids, draft_sample_method="greedy"):
     """Validate everything ``speculative_generate`` is given; return (prompt (1, T), block_size, stop set)."""
     config = getattr(target, "config", None)
     vocab, max_pos = getattr(config, "vocab_size", None), getattr(config, "max_position_embeddings", None)
-    if vocab is None or max_pos is None or _param(target) is None:
+    if vocab is None or max_pos is None or first_parameter(target) is None:
         raise TypeError(f"target must be a LagunaForCausalLM (a model with a config), got {type(target).__name__}")
-    t_param = _param(target)
+    t_param = first_parameter(target)
 
     # drafter
+    drafter = resolve_drafter(drafter)
     if isinstance(drafter, DFlashLagunaDrafter):
         drafter.config.validate_against_target(config)
-        d_param = _param(drafter)
+        d_param = first_parameter(drafter)
         if d_param.device != t_param.device:
             raise ValueError(f"target and drafter must be on the same device: target on {t_param.device}, "
                              f"drafter on {d_param.device} (move one with .to(device))")
         if d_param.dtype != t_param.dtype:
             raise ValueError(f"target and drafter must have the same dtype: target {t_param.dtype}, "
                              f"drafter {d_param.dtype} (convert one with .to(dtype))")
-        max_block = None  # vLLM runs any num_speculative_tokens: dflash_config.block_size is not a limit
-    elif callable(getattr(drafter, "propose", None)):
-        max_block = getattr(drafter, "max_block_size", None)
-    else:
-        raise TypeError(f"drafter must be a DFlashLagunaDrafter, 'ngram', None or a proposer with "
-                        f"propose(tokens, num_draft), got {type(drafter).__name__}")
-
-    # block_size
-    if block_size is None:
-        block_size = drafter.config.block_size if isinstance(drafter, DFlashLagunaDrafter) else getattr(drafter, "block_size", None)
-        if block_size is None:
-            raise ValueError(f"block_size must be given: {type(drafter).__name__} has no default block_size")
-    if not _is_int(block_size):
-        raise TypeError(f"block_size must be an integer, got {block_size!r}")
-    if block_size < 2:
-        raise ValueError(f"block_size must be >= 2 (1 real token + at least 1 draft), got {block_size}")
-    if max_block is not None and block_size > max_block:
-        raise ValueError(f"block_size {block_size} is larger than the drafter supports (its max_block_size is {max_block})")
+    block_size = check_block_size(block_size, drafter)
 
     # prompt
     if isinstance(input_ids, (list, tuple)):
@@ -185,27 +159,27 @@ def check_generation_args(target, drafter, input_ids, *, max_new_tokens, block_s
         raise ValueError(f"input_ids holds token id {lo if lo < 0 else hi}, outside the vocabulary [0, {vocab})")
 
     # lengths and sampling
-    if not _is_int(max_new_tokens) or max_new_tokens < 0:
+    if not is_int(max_new_tokens) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be a non-negative integer, got {max_new_tokens!r}")
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not math.isfinite(temperature) \
             or temperature < 0:
         raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
     if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
-    if not _is_int(top_k) or top_k < 0:
+    if not is_int(top_k) or top_k < 0:
         raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {top_k!r}")
     if draft_sample_method not in DRAFT_SAMPLE_METHODS:
         raise ValueError(f"draft_sample_method must be one of {list(DRAFT_SAMPLE_METHODS)} (vLLM's "
                          f"SpeculativeConfig.draft_sample_method), got {draft_sample_method!r}")
-    if seed is not None and (not _is_int(seed) or seed < 0):
+    if seed is not None and (not is_int(seed) or seed < 0):
         raise ValueError(f"seed must be None or a non-negative integer, got {seed!r}")
     if stop_token_ids is None:
         stop = set()
     else:
         if isinstance(stop_token_ids, torch.Tensor):
             stop_token_ids = stop_token_ids.tolist()
-        stop_list = [stop_token_ids] if _is_int(stop_token_ids) else list(stop_token_ids)
-        bad = [s for s in stop_list if not _is_int(s) or not 0 <= s < vocab]
+        stop_list = [stop_token_ids] if is_int(stop_token_ids) else list(stop_token_ids)
+        bad = [s for s in stop_list if not is_int(s) or not 0 <= s < vocab]
         if bad:
             raise ValueError(f"stop_token_ids must be token ids in [0, {vocab}), got {bad}")
         stop = set(stop_list)
@@ -289,19 +263,14 @@ def speculative_generate(target, drafter, input_ids, *, max_new_tokens: int, blo
     Generation also ends when the sequence reaches the target's
     max_position_embeddings.
     """
-    if drafter is None:
-        drafter = NoDrafter()
-    elif isinstance(drafter, str):
-        if drafter != "ngram":
-            raise ValueError(f"drafter must be a DFlashLagunaDrafter, 'ngram', None or a proposer, got {drafter!r}")
-        drafter = PromptLookupDrafter()
+    drafter = resolve_drafter(drafter)  # refuses what is none of the kinds it names
     prompt, block_size, stop = check_generation_args(
         target, drafter, input_ids, max_new_tokens=max_new_tokens, block_size=block_size, temperature=temperature,
         top_p=top_p, top_k=top_k, seed=seed, stop_token_ids=stop_token_ids, draft_sample_method=draft_sample_method)
     verifier = make_verifier(rejection_sample_method, block_size - 1, synthetic_acceptance_rates=synthetic_acceptance_rates,
                              synthetic_acceptance_length=synthetic_acceptance_length, fly_window_size=fly_window_size,
                              fly_entropy_threshold=fly_entropy_threshold, fly_entropy_top_k=fly_entropy_top_k)
-    device, dtype = prompt.device, _param(target).dtype
+    device, dtype = prompt.device, first_parameter(target).dtype
     is_dflash = isinstance(drafter, DFlashLagunaDrafter)
     layer_ids = list(drafter.config.target_layer_ids) if is_dflash else []
     greedy = temperature == 0
@@ -375,7 +344,8 @@ def speculative_generate(target, drafter, input_ids, *, max_new_tokens: int, blo
         kept, done = emit(draft_ids[:n] + [next_token])
         steps.append(SpecDecodeStep(
             position=t + 1, draft_ids=draft_ids, num_accepted=n, token_ids=kept,
-            block_ids=[tokens[t]] + [drafter.config.mask_token_id] * num_draft if is_dflash else [],
+            block_ids=draft_block_ids(torch.tensor(tokens[t]), num_draft + 1, drafter.config.mask_token_id).tolist()
+            if is_dflash else [],
             target_argmax=logits.argmax(-1).tolist()))
 
         # 4. Keep what was accepted: x_t and d_1 .. d_n are now part of the sequence.
@@ -388,8 +358,8 @@ def speculative_generate(target, drafter, input_ids, *, max_new_tokens: int, blo
     return SpecDecodeResult(output, stats, steps, T, context)
 
 
-def prompt_lookup_generate(target, input_ids, *, max_new_tokens: int, block_size: int = 16, prompt_lookup_min: int = 2,
-                           prompt_lookup_max: int = 5, **kwargs) -> SpecDecodeResult:
+def prompt_lookup_generate(target, input_ids, *, max_new_tokens: int, block_size: int = DEFAULT_BLOCK_SIZE,
+                           prompt_lookup_min: int = 2, prompt_lookup_max: int = 5, **kwargs) -> SpecDecodeResult:
     """``speculative_generate`` with prompt-lookup drafts (vLLM's ``ngram`` method)."""
     drafter = PromptLookupDrafter(prompt_lookup_min, prompt_lookup_max, block_size)
     return speculative_generate(target, drafter, input_ids, max_new_tokens=max_new_tokens, block_size=block_size, **kwargs)

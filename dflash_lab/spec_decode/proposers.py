@@ -18,7 +18,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..drafter import DFlashLagunaDrafter
+from ..config import DEFAULT_BLOCK_SIZE
+from ..drafter import DFlashLagunaDrafter, draft_block_ids
+from ..runtime import is_int
 
 # ---------------------------------------------------------------------------
 # DFlash: the drafter's context K/V, then one forward per block
@@ -65,8 +67,7 @@ def dflash_draft_logits(drafter: DFlashLagunaDrafter, target, context: DFlashCon
     Returns (B-1, V) logits for positions t+1 .. t+B-1, from the target's lm_head.
     """
     device = context.k.device
-    block_ids = torch.full((1, block_size), drafter.config.mask_token_id, dtype=torch.long, device=device)
-    block_ids[0, 0] = last_token
+    block_ids = draft_block_ids(torch.tensor([last_token], device=device), block_size, drafter.config.mask_token_id)
     noise_embeds = target.get_input_embeddings()(block_ids)  # (1, B, H): the target's embedding table
     positions = torch.arange(context.length, context.length + block_size, device=device)[None]  # (1, B)
     ctx_k, ctx_v = context.kv()
@@ -95,7 +96,7 @@ def prompt_lookup(tokens: list[int], num_draft: int, prompt_lookup_min: int = 2,
     return []
 
 
-@dataclass
+@dataclass(frozen=True)  # hashable: the fast path keeps one decoder per (drafter, shape)
 class PromptLookupDrafter:
     """Prompt-lookup drafting (vLLM ``method="ngram"``): drafts copied from the sequence itself.
 
@@ -106,13 +107,13 @@ class PromptLookupDrafter:
 
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 5
-    block_size: int = 16  # default block: 1 real token + up to 15 drafts, like the DFlash drafter
+    block_size: int = DEFAULT_BLOCK_SIZE  # 1 real token + up to 15 drafts, like the DFlash drafter
     max_block_size: int | None = None  # no model, no limit
 
     def __post_init__(self):
         for name in ("prompt_lookup_min", "prompt_lookup_max"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            if not is_int(v) or v < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"prompt_lookup_min={self.prompt_lookup_min} must be <= prompt_lookup_max={self.prompt_lookup_max}")
@@ -130,3 +131,60 @@ class NoDrafter:
 
     def propose(self, tokens: list[int], num_draft: int) -> list[int]:
         return []
+
+
+# ---------------------------------------------------------------------------
+# The one gate every backend passes its ``drafter`` argument through
+# ---------------------------------------------------------------------------
+
+DRAFTER_KINDS = "a DFlashLagunaDrafter, 'ngram', None or a proposer"  # prompt lookup, no drafter, propose()
+
+
+def resolve_drafter(drafter):
+    """What a backend drafts with: the DFlash drafter itself, or a proposer (``propose(tokens, num_draft)``).
+
+    None becomes ``NoDrafter``, "ngram" a ``PromptLookupDrafter``; anything else is refused,
+    never turned into another method.
+    """
+    if drafter is None:
+        return NoDrafter()
+    if isinstance(drafter, str):
+        if drafter != "ngram":
+            raise ValueError(f"drafter must be {DRAFTER_KINDS}, got {drafter!r}")
+        return PromptLookupDrafter()
+    if isinstance(drafter, DFlashLagunaDrafter) or callable(getattr(drafter, "propose", None)):
+        return drafter
+    raise TypeError(f"drafter must be {DRAFTER_KINDS} with propose(tokens, num_draft), got {type(drafter).__name__}")
+
+
+def require_dflash(drafter, backend: str) -> DFlashLagunaDrafter:
+    """For a backend that only replays DFlash drafts (evaluation): the drafter, else a clear refusal."""
+    drafter = resolve_drafter(drafter)
+    if not isinstance(drafter, DFlashLagunaDrafter):
+        raise TypeError(f"{backend} replays DFlash drafts: drafter must be a DFlashLagunaDrafter, "
+                        f"got {type(drafter).__name__}")
+    return drafter
+
+
+def default_block_size(drafter) -> int | None:
+    """The block a resolved drafter uses when none is given: DFlash's trained one, a proposer's own."""
+    if isinstance(drafter, DFlashLagunaDrafter):
+        return drafter.config.block_size
+    return getattr(drafter, "block_size", None)
+
+
+def check_block_size(block_size, drafter) -> int:
+    """``block_size`` B = 1 real token + K = B - 1 drafts (vLLM's num_speculative_tokens + 1), checked once."""
+    if block_size is None:
+        block_size = default_block_size(drafter)
+        if block_size is None:
+            raise ValueError(f"block_size must be given: {type(drafter).__name__} has no default block_size")
+    if not is_int(block_size):
+        raise TypeError(f"block_size must be an integer, got {block_size!r}")
+    if block_size < 2:
+        raise ValueError(f"block_size must be >= 2 (1 real token + at least 1 draft), got {block_size}")
+    max_block = None if isinstance(drafter, DFlashLagunaDrafter) else getattr(drafter, "max_block_size", None)
+    if max_block is not None and block_size > max_block:  # vLLM runs any num_speculative_tokens for DFlash
+        raise ValueError(f"block_size {block_size} is larger than the drafter supports "
+                         f"(its max_block_size is {max_block})")
+    return block_size

@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 from .. import corpus
 from ..checkpoint import load_drafter
 from ..runtime import load_tokenizer, resolve_device
+from ..spec_decode.proposers import require_dflash
 from ..spec_decode.sampling import greedy_accept, greedy_accept_batch
 from ..spec_decode.stats import SpecDecodeStats
 from ..target import load_target, target_forward
@@ -105,6 +106,7 @@ def evaluate_acceptance(target, drafter, tokenizer, prompts: list[dict], *, bloc
 
     A prompt is a dict with ``text`` (tokenized here) or ``input_ids`` (used as given).
     """
+    require_dflash(drafter, "evaluate_acceptance")
     device = next(target.parameters()).device
     longest = max(block_sizes)
     per_prompt = {bs: [] for bs in block_sizes}
@@ -157,6 +159,7 @@ class AcceptanceProbe:
     @torch.no_grad()
     def __call__(self, drafter, block_size: int | None = None) -> SpecDecodeStats:
         """Acceptance counters of greedy DFlash decoding with ``drafter`` at ``block_size`` (default: its own)."""
+        drafter = require_dflash(drafter, "AcceptanceProbe")
         bs = block_size or drafter.config.block_size
         if bs > self.max_block_size:
             raise ValueError(f"`block_size` {bs} is larger than the probe's max_block_size {self.max_block_size}")

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..drafter import dflash_attention_mask
+from ..drafter import dflash_attention_mask, draft_block_ids
 from ..target import target_forward
 
 # ---------------------------------------------------------------------------
@@ -38,10 +38,8 @@ def block_inputs(ids: torch.Tensor, anchors: torch.Tensor, block_size: int, mask
 
     ids (B, T), anchors (B, A) -> block ids (B, A*bs) and positions (B, A*bs).
     """
-    offsets = torch.arange(block_size, device=ids.device)
-    positions = anchors[..., None] + offsets  # (B, A, bs)
-    block = torch.full_like(positions, mask_token_id)
-    block[..., 0] = ids.gather(1, anchors)
+    positions = anchors[..., None] + torch.arange(block_size, device=ids.device)  # (B, A, bs)
+    block = draft_block_ids(ids.gather(1, anchors), block_size, mask_token_id)  # (B, A, bs)
     return block.flatten(1), positions.flatten(1)
 
 

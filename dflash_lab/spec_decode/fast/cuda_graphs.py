@@ -76,27 +76,3 @@ class GraphedStep:
 def new_pool(device: torch.device):
     """A graph memory pool for the steps of one decoder (None off CUDA)."""
     return torch.cuda.graph_pool_handle() if device.type == "cuda" else None
-
-
-def capture_failure_report(model, input_ids: torch.Tensor) -> str:
-    """Try to capture transformers' own forward in a CUDA graph; say where it breaks.
-
-    Diagnostic for the lab's record (why the eager loop cannot simply be captured):
-    returns "captured" or the error with the innermost frames of the call.
-    """
-    import traceback
-
-    if input_ids.device.type != "cuda":
-        return "not on CUDA"
-    with torch.no_grad():
-        model(input_ids=input_ids)  # warm-up
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(graph):
-                model(input_ids=input_ids)
-            return "captured"
-        except Exception as e:  # the point of the function: report, don't raise
-            frames = [f"{f.filename.split('site-packages/')[-1]}:{f.lineno} {f.name}: {f.line}"
-                      for f in traceback.extract_tb(e.__traceback__)[-4:]]
-            return f"{type(e).__name__}: {str(e).splitlines()[0]} | " + " <- ".join(reversed(frames))

@@ -42,9 +42,10 @@ from collections import OrderedDict
 import torch
 
 from ...drafter import DFlashLagunaDrafter
+from ...runtime import first_parameter
 from .cuda_graphs import GraphedStep, new_pool
-from ..loop import SpecDecodeResult, _param
-from ..proposers import PromptLookupDrafter
+from ..loop import SpecDecodeResult
+from ..proposers import NoDrafter, check_block_size, default_block_size, resolve_drafter
 from ..sampling import greedy_accept_batch
 from .static_drafter import StaticDrafter
 from .static_target import StaticTarget, round_up
@@ -58,23 +59,26 @@ PREFILL_STEP = 64  # prompts are right-padded to a multiple of this: one prefill
 class FastDecoder:
     """Static buffers and graphed steps for one (pair, batch size, block size, capacity).
 
-    method: "dflash", "ngram" (drafts supplied by the host) or "target" (block 1).
+    method: "dflash", "ngram" (drafts from the proposer's ``propose``, on the host) or "target" (block 1),
+    from ``proposers.resolve_drafter``: an object that is none of its kinds is refused.
     Build once, then ``generate`` any number of batches of up to ``batch`` prompts
     whose prompt + max_new_tokens fit ``capacity``.
     """
 
     def __init__(self, target, drafter=None, *, batch: int, block_size: int, capacity: int, cuda_graphs: bool = True,
-                 moe: str = "auto", phase_graphs: bool = False, prompt_lookup: PromptLookupDrafter | None = None):
-        self.method = "dflash" if isinstance(drafter, DFlashLagunaDrafter) else ("ngram" if drafter is not None else "target")
+                 moe: str = "auto", phase_graphs: bool = False):
+        proposer = resolve_drafter(drafter)
+        is_dflash = isinstance(proposer, DFlashLagunaDrafter)
+        self.method = "dflash" if is_dflash else ("target" if isinstance(proposer, NoDrafter) else "ngram")
         if self.method == "target":
             block_size = 1
-        elif block_size < 2:
-            raise ValueError(f"block_size must be >= 2 with a drafter, got {block_size}")
-        if self.method == "dflash":  # a block above the trained one runs, as in vLLM (it never reads block_size)
+        else:  # a block above the trained one runs, as in vLLM (it never reads block_size)
+            block_size = check_block_size(block_size, proposer)
+        if is_dflash:
             drafter.config.validate_against_target(target.config)
         self.target, self.drafter, self.B, self.batch = target, drafter, block_size, batch
-        self.lookup = prompt_lookup or PromptLookupDrafter(block_size=max(block_size, 2))
-        p = _param(target)
+        self.lookup = None if is_dflash else proposer  # the host-side proposer (prompt lookup, or any propose())
+        p = first_parameter(target)
         self.device, self.dtype = p.device, p.dtype
         slack = 2 * block_size + 1  # frozen and overrunning steps write past the last kept position
         layer_ids = list(drafter.config.target_layer_ids) if self.method == "dflash" else []
@@ -384,15 +388,16 @@ def fast_generate_batch(target, drafter, prompts, *, max_new_tokens: int, block_
                         cuda_graphs: bool = True, stop_token_ids=(), moe: str = "auto") -> list[SpecDecodeResult]:
     """Greedy decoding of all ``prompts`` in one batch (see the module docstring); one result per prompt.
 
-    drafter: a DFlashLagunaDrafter, "ngram" or None (no drafter). block_size
-    defaults to the drafter's config.block_size (16 for "ngram"). The decoder is built
+    drafter: a DFlashLagunaDrafter, "ngram", None (no drafter) or a proposer; anything else is
+    refused (``proposers.resolve_drafter``). block_size defaults to the drafter's config.block_size
+    (a proposer's own block_size: 16 for "ngram"). The decoder is built
     once per shape and reused (``cached_decoder``).
     """
     prompts = [torch.as_tensor(p).reshape(-1) for p in prompts]
     if not prompts:
         return []
     if block_size is None:
-        block_size = drafter.config.block_size if isinstance(drafter, DFlashLagunaDrafter) else 16
+        block_size = default_block_size(resolve_drafter(drafter))
     max_pos = target.config.max_position_embeddings
     if _capacity(prompts, max_new_tokens) > max_pos:
         raise ValueError(f"prompt + max_new_tokens ({_capacity(prompts, max_new_tokens)}) exceeds the target's "

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from ...drafter import SlotKV
+from ...drafter import SlotKV, draft_block_ids
 from . import triton_ops
 from .static_target import round_up
 
@@ -42,7 +42,6 @@ class StaticDrafter:
         self.kv = SlotKV(torch.zeros(shape, device=self.device, dtype=self.dtype),
                          torch.zeros(shape, device=self.device, dtype=self.dtype))
         self.offsets = torch.arange(block_size or cfg.block_size, device=self.device)  # the longest block drafted
-        self.mask_token = torch.tensor(cfg.mask_token_id, device=self.device)
 
     def append(self, aux: torch.Tensor, positions: torch.Tensor) -> None:
         """Context K/V of target features aux (B, Q, n_aux * H_t) at positions (B, Q), written at those slots."""
@@ -53,8 +52,7 @@ class StaticDrafter:
 
     def draft(self, last_token: torch.Tensor, start: torch.Tensor, block_size: int) -> torch.Tensor:
         """Greedy drafts (B, block_size - 1) for blocks [last_token, MASK ...] at positions start .. start+block_size-1."""
-        B = last_token.shape[0]
-        ids = torch.cat([last_token[:, None], self.mask_token.expand(B, block_size - 1)], dim=1)  # (B, Q)
+        ids = draft_block_ids(last_token, block_size, self.drafter.config.mask_token_id)  # (B, Q)
         positions = start[:, None] + self.offsets[:block_size]  # (B, Q)
         hidden = self.drafter(self.embed(ids), positions, kv=self.kv, ops=triton_ops)  # (B, Q, H)
         return self.lm_head(hidden[:, 1:]).argmax(dim=-1)  # (B, Q-1): position j predicts the token AT t+j
