@@ -33,6 +33,7 @@ from IPython.display import HTML
 from dflash_lab import presets, viz
 from dflash_lab.assets import default_device, heldout_prompts, load_default_pair
 from dflash_lab.checkpoint import CheckpointError, load_drafter, save_drafter
+from dflash_lab.measure.repetition import setting_line
 from dflash_lab.config import DFlashDrafterConfig, config_key_table, rope_resolution_table
 from dflash_lab.drafter import DFlashLagunaDrafter, dflash_attention_mask
 from dflash_lab.runtime import seed_everything
@@ -489,8 +490,14 @@ first = run.steps[shown]
 print(f"step 0: the prefill, {len(run.steps[0].draft_ids)} drafted, emitted {len(run.steps[0].token_ids)} token")
 print(f"step {shown} (the slider's first): drafted {len(first.draft_ids)}, accepted {first.num_accepted}, emitted "
       f"{len(first.token_ids)} tokens for one target forward")
-print(f"whole run: {run.stats.num_generated_tokens} tokens in {run.stats.num_target_forwards} target forwards, "
-      f"tau {run.stats.mean_acceptance_length:.2f}")
+st = run.stats
+emitted = st.num_drafts + st.num_accepted_tokens  # every verification step emits its accepted drafts + one token
+print(setting_line("held-out prompt 1 (its last 64 tokens)", 32, 8, "one prompt, a short budget, a smaller block"))
+print(f"τ {st.mean_acceptance_length:.2f} = 1 + {st.num_accepted_tokens} accepted / {st.num_drafts} drafts: the "
+      f"{st.num_drafts} verification steps emitted {emitted} tokens, {emitted - (st.num_generated_tokens - 1)} of "
+      "them past the 32-token budget; vLLM counts those too (it counts accepted drafts before its stop check)")
+print(f"what the run kept: {st.num_generated_tokens} tokens in {st.num_target_forwards} target forwards (the prefill "
+      f"included) = {st.num_generated_tokens / st.num_target_forwards:.2f} tokens per target forward")
 
 # %% [markdown]
 # ## Answer
@@ -513,7 +520,8 @@ print(f"- It registers as {drafter.attention_layer_names()[0]} ... after the tar
       "layers; the lab's config.json is read by vLLM 0.33 unchanged.")
 print(f"- One step of the trained pair (step {shown}): {len(first.draft_ids)} drafted in one drafter forward, "
       f"{first.num_accepted} accepted by one target forward; over the run (one prompt, 32 new tokens, block 8), "
-      f"tau {run.stats.mean_acceptance_length:.2f}.")
+      f"τ {run.stats.mean_acceptance_length:.2f}, {st.num_generated_tokens / st.num_target_forwards:.2f} tokens "
+      "per target forward.")
 
 # %% [markdown]
 # **Where next.** Chapter 2 opens up step 3, the context K/V: what the three

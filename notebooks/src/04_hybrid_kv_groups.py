@@ -391,7 +391,10 @@ for label, per_group in [("the drafter in use", pair_split), (f"the {SPLIT_DEPTH
 # block in every group, for the pairs of this chapter, with vLLM's own block accounting
 # (`kv_layout.group_memory`): filled by layers, or left empty. The grey share is the most the
 # padding can waste (every group holding as many blocks; a sliding-window group frees old
-# blocks, so it usually holds fewer).
+# blocks, so it usually holds fewer). vLLM's note and the bars count the same empty slots with
+# different denominators: vLLM divides the padding layers by **that attention type's own layers**
+# (the shipped pair: 1 padding layer beside 4 sliding ones, "at most 25.00 %"), the bars by **the whole pool** (that
+# one empty layer-slot of the 10 in a pool block: 10 %). The printout gives both for every pair.
 
 # %%
 padding_cases = [
@@ -404,11 +407,24 @@ for name in ("laguna_dflash", "laguna_xs2_dflash", "laguna_s21_dflash"):
     padding_cases.append((kv_presets.PRESETS[name]["label"],
                           kv_groups.kv_cache_groups(specs, method="dflash", model_type="laguna")))
 padding = [(label, kv_layout.group_memory(groups)) for label, groups in padding_cases]
+
+
+def vllm_waste_note(memory):  # vLLM's figure: a type's padding layers over that type's own layers
+    size, notes = max(m.num_layers for m in memory), []
+    for kind in dict.fromkeys(m.kind for m in memory):
+        real = sum(m.num_layers for m in memory if m.kind == kind)
+        pad = sum(size - m.num_layers for m in memory if m.kind == kind)
+        if pad:
+            notes.append(f"{pad}/{real} {kind} = {100 * pad / real:.2f} %")
+    return "; ".join(notes) or "none"
+
+
 for label, memory in padding:
     total = sum(m.pool_bytes_per_block for m in memory)
     empty = sum(m.unused_bytes_per_block for m in memory)
     print(f"{label:58s} {len(memory)} group{'s' if len(memory) > 1 else ''} of {[m.num_layers for m in memory]} layers: "
-          f"{100 * empty / total:4.1f} % of the pool left empty")
+          f"{100 * empty / total:4.1f} % of the pool left empty (vLLM's note, padding / that type's layers: "
+          f"{vllm_waste_note(memory)})")
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -723,109 +739,9 @@ for method in kv_groups.EAGLE_METHODS:
           f"  {'':23s}{row}")
 
 # %% [markdown]
-# ### Case 1 · DeepSeek V4 on the packed path: the group holding its last layer
-#
-# Unmarked, the draft layer `model.layers.3` is found only by its position. Under the
-# seed's rules every EAGLE-family method on `deepseek_v4`/`deepseek_v41` flags the group
-# holding the last registered layer; behind 0.33's gate (`rules="seed-gated"`) only eagle, eagle3
-# and MTP do (dflash and dspark never pass it). 0.33 itself (`rules="vllm-0.33"`) flags nothing
-# here: it has no trailing-layer rule, and this dict carries no marker.
-
-# %%
-last_layer = next(reversed(dsv4))
-print("last registered layer:", last_layer)
-for model_type in ("deepseek_v4", "deepseek_v41"):
-    for method in kv_groups.EAGLE_METHODS:
-        seed = kv_groups.kv_cache_groups(dsv4, method=method, model_type=model_type, layout="BLHNC")
-        gated = kv_groups.kv_cache_groups(dsv4, method=method, model_type=model_type, layout="BLHNC",
-                                          rules="seed-gated")
-        print(f"{method:6s} on {model_type:12s} seed: {flagged(seed)}  seed-gated: {flagged(gated)}")
-
-# %% [markdown]
-# The draft layer keeps **two** caches, and the packed path puts its sliding-window
-# cache `L3:swa` in a group of its own. Rule 2 finds only the group of the very last
-# layer, so that group stays unflagged: exactly the missed flag of section 3 (the seed's
-# docstring names this limit). With 0.33's runtime markers, rule 1 finds both:
-
-# %%
-case1, _ = group(dsv4, "mtp", "deepseek_v4", layout="BLHNC")
-print("marked (0.33 runtime):")
-case1_marked, _ = group(kv_specs.deepseek_v4_specs(mark_draft=True), "mtp", "deepseek_v4", layout="BLHNC")
-
-# %%
-# NBVAL_IGNORE_OUTPUT
-draw(case1, dsv4, "Case 1 · mtp on deepseek_v4, packed, unmarked: only the group holding the last layer").show()
-
-# %% [markdown]
-# ### Case 2 · MTP on any model type
-#
-# The same DeepSeek-shaped layers, served with MTP under other model types: rule 2 is
-# on for `mtp` whatever the model type, known or not. With `dspark` on a model type
-# other than DeepSeek V4/V4.1, nothing is flagged.
-
-# %%
-for method, model_type in [("mtp", "glm4_moe"), ("mtp", "laguna"), ("mtp", "mimo"), ("dspark", "glm4_moe")]:
-    groups = kv_groups.kv_cache_groups(dsv4, method=method, model_type=model_type, layout="LBHNC")
-    print(f"{method:6s} on {model_type:9s} -> flagged:", flagged(groups))
-
-# %% [markdown]
-# ### Case 3 · Qwen3.5 hybrid + MTP, unmarked: exactly one group, no Mamba group
-#
-# The marker rule has nothing to find; rule 2 finds exactly the attention group that
-# holds `mtp.layers.0`, and no GDN group is flagged, on both layouts:
-
-# %%
-_ = group_both(qwen, "mtp", "qwen3_5")
-
-# %% [markdown]
-# ### Case 4 · The same hybrid with eagle, eagle3 or dspark
-#
-# Rule 2 is off for these on `qwen3_5`, and in this unmarked dict rule 1 has nothing to
-# find. The seed's test expects all three to warn, and `rules="seed"` does. Behind 0.33's
-# gate only eagle and eagle3 warn (their drop would run), as vLLM 0.33's own engine does;
-# for dspark nothing drops and nothing warns:
-
-# %%
-for method in ("eagle", "eagle3", "dspark"):
-    for rules in ("seed", "seed-gated"):
-        with kv_groups.captured_warnings() as warned:
-            kv_groups.kv_cache_groups(qwen, method=method, model_type="qwen3_5", rules=rules)
-        print(f"{method:6s} rules={rules:9s} warns: {bool(warned)}")
-    _, vllm_warning = engine(qwen, method, quiet=True)
-    print(f"{method:6s} vLLM 0.33 engine warns: {vllm_warning is not None}")
-
-# %%
-# NBVAL_IGNORE_OUTPUT
-case4, warning = group(qwen, "eagle3", "qwen3_5")
-draw(case4, qwen, "Case 4 · Qwen3.5 + eagle3, unmarked: no group flagged", warning=warning).show()
-
-# %% [markdown]
-# ### Case 5 · Groups that do not partition the layers exactly
-#
-# Suppose a grouping drops a layer, or lists one twice. vLLM 0.33 never lets such a
-# grouping reach annotation: every grouping passes `get_kv_cache_groups_from_builder`,
-# which asserts an exact partition (`kv_cache_planning.py:1203-1230`,
-# `_check_exact_partition`). #55390 re-checks it as a gate on rule 2, so the
-# annotator is safe on its own too. vLLM's check, and the gate, on three groupings:
-
-# %%
-from vllm.v1.kv_cache_interface import KVCacheGroupSpec
-
-DROPPED = "model.layers.0.linear_attn"
-exact = kv_groups.vllm_kv_cache_groups(qwen)
-dropped = [KVCacheGroupSpec([n for n in g.layer_names if n != DROPPED], g.kv_cache_spec) for g in exact]
-duplicated = [KVCacheGroupSpec(g.layer_names + ([DROPPED] if i == 2 else []), g.kv_cache_spec)
-              for i, g in enumerate(exact)]
-for label, groups in [("exact", exact), ("one layer dropped", dropped), ("one layer twice", duplicated)]:
-    kv_groups.annotate_draft_groups("mtp", "qwen3_5", qwen, groups, use_trailing_layer_fallback=True)
-    print(f"{label:18s} vLLM: {kv_engine.partition_check(qwen, groups) or 'accepted'}")
-    print(f"{'':18s} #55390 gate: exact={kv_groups.groups_partition_layers_exactly(qwen, groups)!s:5s} "
-          f"-> flagged: {flagged(groups)}")
-
-# %%
-# NBVAL_IGNORE_OUTPUT
-draw(dropped, qwen, f"Case 5 · {DROPPED} dropped from its group: vLLM asserts, rule 2 stays off",
-     missing=kv_layout.ungrouped_layers(dropped, qwen)).show()
+# Five cases of other models' drafters (DeepSeek V4, MTP on any model, Qwen3.5 hybrids with MTP, eagle, eagle3 and
+# dspark, groups that do not partition the layers) are worked in the **Appendix** at the end of the chapter; Laguna's
+# DFlash drafter comes next.
 
 # %% [markdown]
 # ### And DFlash: found by its marker (the seed's rules)
@@ -955,3 +871,117 @@ print(f"With runtime markers vLLM 0.33 finds an MTP drafter's group itself: "
 #   maps a Laguna drafter's layers to the first group only. For EAGLE-style drafters the flag matters
 #   where the drop runs; 0.33 marks their layers at runtime and finds their groups by
 #   the marker, and a missed flag there means stale draft K/V, not lost blocks.
+
+
+# %% [markdown]
+# ---
+#
+# ## Appendix · Other models' drafters: #55390's five cases
+#
+# Not Laguna: how the seed's rules, the same rules behind 0.33's gate, and vLLM 0.33 itself treat the drafters of
+# other hybrid models (the specs of §2-§4).
+
+# %% [markdown]
+# ### Case 1 · DeepSeek V4 on the packed path: the group holding its last layer
+#
+# Unmarked, the draft layer `model.layers.3` is found only by its position. Under the
+# seed's rules every EAGLE-family method on `deepseek_v4`/`deepseek_v41` flags the group
+# holding the last registered layer; behind 0.33's gate (`rules="seed-gated"`) only eagle, eagle3
+# and MTP do (dflash and dspark never pass it). 0.33 itself (`rules="vllm-0.33"`) flags nothing
+# here: it has no trailing-layer rule, and this dict carries no marker.
+
+# %%
+last_layer = next(reversed(dsv4))
+print("last registered layer:", last_layer)
+for model_type in ("deepseek_v4", "deepseek_v41"):
+    for method in kv_groups.EAGLE_METHODS:
+        seed = kv_groups.kv_cache_groups(dsv4, method=method, model_type=model_type, layout="BLHNC")
+        gated = kv_groups.kv_cache_groups(dsv4, method=method, model_type=model_type, layout="BLHNC",
+                                          rules="seed-gated")
+        print(f"{method:6s} on {model_type:12s} seed: {flagged(seed)}  seed-gated: {flagged(gated)}")
+
+# %% [markdown]
+# The draft layer keeps **two** caches, and the packed path puts its sliding-window
+# cache `L3:swa` in a group of its own. Rule 2 finds only the group of the very last
+# layer, so that group stays unflagged: exactly the missed flag of section 3 (the seed's
+# docstring names this limit). With 0.33's runtime markers, rule 1 finds both:
+
+# %%
+case1, _ = group(dsv4, "mtp", "deepseek_v4", layout="BLHNC")
+print("marked (0.33 runtime):")
+case1_marked, _ = group(kv_specs.deepseek_v4_specs(mark_draft=True), "mtp", "deepseek_v4", layout="BLHNC")
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+draw(case1, dsv4, "Case 1 · mtp on deepseek_v4, packed, unmarked: only the group holding the last layer").show()
+
+# %% [markdown]
+# ### Case 2 · MTP on any model type
+#
+# The same DeepSeek-shaped layers, served with MTP under other model types: rule 2 is
+# on for `mtp` whatever the model type, known or not. With `dspark` on a model type
+# other than DeepSeek V4/V4.1, nothing is flagged.
+
+# %%
+for method, model_type in [("mtp", "glm4_moe"), ("mtp", "laguna"), ("mtp", "mimo"), ("dspark", "glm4_moe")]:
+    groups = kv_groups.kv_cache_groups(dsv4, method=method, model_type=model_type, layout="LBHNC")
+    print(f"{method:6s} on {model_type:9s} -> flagged:", flagged(groups))
+
+# %% [markdown]
+# ### Case 3 · Qwen3.5 hybrid + MTP, unmarked: exactly one group, no Mamba group
+#
+# The marker rule has nothing to find; rule 2 finds exactly the attention group that
+# holds `mtp.layers.0`, and no GDN group is flagged, on both layouts:
+
+# %%
+_ = group_both(qwen, "mtp", "qwen3_5")
+
+# %% [markdown]
+# ### Case 4 · The same hybrid with eagle, eagle3 or dspark
+#
+# Rule 2 is off for these on `qwen3_5`, and in this unmarked dict rule 1 has nothing to
+# find. The seed's test expects all three to warn, and `rules="seed"` does. Behind 0.33's
+# gate only eagle and eagle3 warn (their drop would run), as vLLM 0.33's own engine does;
+# for dspark nothing drops and nothing warns:
+
+# %%
+for method in ("eagle", "eagle3", "dspark"):
+    for rules in ("seed", "seed-gated"):
+        with kv_groups.captured_warnings() as warned:
+            kv_groups.kv_cache_groups(qwen, method=method, model_type="qwen3_5", rules=rules)
+        print(f"{method:6s} rules={rules:9s} warns: {bool(warned)}")
+    _, vllm_warning = engine(qwen, method, quiet=True)
+    print(f"{method:6s} vLLM 0.33 engine warns: {vllm_warning is not None}")
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+case4, warning = group(qwen, "eagle3", "qwen3_5")
+draw(case4, qwen, "Case 4 · Qwen3.5 + eagle3, unmarked: no group flagged", warning=warning).show()
+
+# %% [markdown]
+# ### Case 5 · Groups that do not partition the layers exactly
+#
+# Suppose a grouping drops a layer, or lists one twice. vLLM 0.33 never lets such a
+# grouping reach annotation: every grouping passes `get_kv_cache_groups_from_builder`,
+# which asserts an exact partition (`kv_cache_planning.py:1203-1230`,
+# `_check_exact_partition`). #55390 re-checks it as a gate on rule 2, so the
+# annotator is safe on its own too. vLLM's check, and the gate, on three groupings:
+
+# %%
+from vllm.v1.kv_cache_interface import KVCacheGroupSpec
+
+DROPPED = "model.layers.0.linear_attn"
+exact = kv_groups.vllm_kv_cache_groups(qwen)
+dropped = [KVCacheGroupSpec([n for n in g.layer_names if n != DROPPED], g.kv_cache_spec) for g in exact]
+duplicated = [KVCacheGroupSpec(g.layer_names + ([DROPPED] if i == 2 else []), g.kv_cache_spec)
+              for i, g in enumerate(exact)]
+for label, groups in [("exact", exact), ("one layer dropped", dropped), ("one layer twice", duplicated)]:
+    kv_groups.annotate_draft_groups("mtp", "qwen3_5", qwen, groups, use_trailing_layer_fallback=True)
+    print(f"{label:18s} vLLM: {kv_engine.partition_check(qwen, groups) or 'accepted'}")
+    print(f"{'':18s} #55390 gate: exact={kv_groups.groups_partition_layers_exactly(qwen, groups)!s:5s} "
+          f"-> flagged: {flagged(groups)}")
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+draw(dropped, qwen, f"Case 5 · {DROPPED} dropped from its group: vLLM asserts, rule 2 stays off",
+     missing=kv_layout.ungrouped_layers(dropped, qwen)).show()
