@@ -120,6 +120,33 @@ def test_benchmarks_of_another_pair_never_write_into_the_committed_records(user_
     assert pair_out_dir("/elsewhere") == Path("/elsewhere")
 
 
+def _vllm_venv_ready() -> bool:
+    from dflash_lab.vllm_engine.process import VLLM_VENV
+
+    return (VLLM_VENV / ".installed").is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _vllm_venv_ready(), reason="needs .venv-vllm: run `make setup`")
+def test_vllms_engine_decodes_the_users_pair_as_the_lab_does(user_pair, use_pair):
+    """vLLM's own engine loads the sharded target (YaRN, per-layer heads, MoE) and the XS-2.1-shaped drafter, and
+    gives the lab's tokens and counters, greedy in float32."""
+    from dflash_lab.spec_decode import generate_on_prompts
+    from dflash_lab.vllm_engine import EngineRun, run_offline
+
+    use_pair(user_pair)
+    target, drafter, tokenizer = assets.load_default_pair(device="cpu")
+    prompts = [tokenizer(p["text"])["input_ids"][-48:] for p in assets.heldout_prompts()[:3]]
+    run = run_offline(prompts, [EngineRun("user15", num_speculative_tokens=15)], max_new_tokens=24,
+                      target=user_pair["target"], drafter=user_pair["drafter"], progress=False)["user15"]
+    stats, results = generate_on_prompts(target, drafter, prompts, max_new_tokens=24, block_size=16, progress=False)
+    assert run.outputs == [r.new_token_ids for r in results]
+    assert (run.stats.num_drafts, run.stats.num_draft_tokens, run.stats.num_accepted_tokens,
+            run.stats.num_accepted_tokens_per_pos) == (stats.num_drafts, stats.num_draft_tokens,
+                                                       stats.num_accepted_tokens, stats.num_accepted_tokens_per_pos)
+    assert run.stats.num_drafts > 0 and run.drafter == user_pair["drafter"].resolve()
+
+
 # ---------------------------------------------------------------------------
 # Bad files: one clear error naming the file (and key), before anything loads
 # ---------------------------------------------------------------------------
