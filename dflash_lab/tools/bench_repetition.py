@@ -26,24 +26,37 @@ from ..measure.drafters import bootstrap_tau
 from ..measure.repetition import NGRAM, REPETITIVE_AT, continuation_shares, select_non_repetitive, tau_by_repetition
 from ..runtime import device_name, resolve_device
 from ..spec_decode import generate_on_prompts
-from ..train.code_corpus import build_code_corpus
+from ..train.code_corpus import STDLIB_PACKAGE, build_code_corpus
 from ..train.evaluate import evaluate_acceptance
 from .bench_common import OUT_HELP, pair_out_dir, write_results
 
-SKIP_SOURCES = ("anthropic", "mcp", "claude")  # client SDKs of tools, not code a reader would prompt with
 NONREPETITIVE_DESCRIPTION = (
-    "Non-repetitive prompts: cut from held-out files of the training corpus (standard library and permissively "
-    "licensed packages, dflash_lab.train.code_corpus; held out by path) by the held-out set's rule "
+    "Non-repetitive prompts: cut from held-out files of the training corpus (dflash_lab.train.code_corpus; held out "
+    "by path): the standard library and the lab's own dependencies (torch, transformers, vLLM, numpy, ...), by the "
+    "held-out set's rule "
     "(dflash_lab.corpus.cut_prompts, seed 7, 240 cut, none overlapping heldout_prompts.json or docstring_prompts.json), "
     f"kept where the shipped target's greedy 64-token continuation repeats fewer than {REPETITIVE_AT:.0%} of its "
     f"{NGRAM}-grams (dflash_lab.measure.repetition); neither the target nor the drafters train on them.")
+
+
+def lab_dependency_modules() -> set[str]:
+    """Top-level import names of the distributions the lab itself depends on (its package metadata)."""
+    import importlib.metadata as metadata
+    import re
+
+    wanted = {re.split(r"[ ;<>=!\[~]", r)[0].lower().replace("_", "-")
+              for r in metadata.requires("dflash_lab") or [] if "extra ==" not in r}
+    return {top for top, dists in metadata.packages_distributions().items()
+            if any(d.lower().replace("_", "-") in wanted for d in dists)}
 
 
 def cut_non_repetitive(target, tokenizer, avoid: list[dict], n: int = 48, candidates: int = 240,
                        at_least: int = 16) -> list[dict]:
     """Cut ``candidates`` held-out prompts, measure the target's continuations, keep up to ``n`` that do not loop."""
     probes = {p["text"][:120] for p in avoid}
-    files = [f for f in build_code_corpus()[0] if not f.relpath.startswith(SKIP_SOURCES)]
+    ours = lab_dependency_modules()
+    files = [f for f, package in zip(*build_code_corpus()[:2]) if package == STDLIB_PACKAGE
+             or f.relpath.split("/")[0] in ours]
     pool = [p for p in cut_prompts(files, candidates, seed=7) if p["text"][:120] not in probes
             and not any(p["text"][:120] in q["text"] or q["text"][:120] in p["text"] for q in avoid)]
     shares = continuation_shares(target, tokenizer, pool)
@@ -120,7 +133,8 @@ def repetition(args) -> int:
         print(f"{name}: {len(prompts[:n])} prompts", flush=True)
         result["sets"][name] = measure_set(target, drafters, tokenizer, prompts[:n], blocks, args.max_new_tokens)
     result.update(device=device_name(device), pair=pair_fingerprint(), seconds=round(time.perf_counter() - start, 1),
-                  command="python -m dflash_lab.tools.bench repetition" + (" --quick" if args.quick else ""))
+                  command="python -m dflash_lab.tools.bench repetition" + (" --quick" if args.quick else "")
+                  + (" --cut-set" if args.cut_set else ""))
     md = markdown(result)
     print(md)
     print("wrote", *write_results(args.out, "repetition_quick" if args.quick else "repetition", result, md))
