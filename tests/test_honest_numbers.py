@@ -99,3 +99,20 @@ def test_the_readme_counts_the_shims_fixes():
     words = {1: "one", 2: "two", 3: "three", 4: "four", 5: "five"}
     said = re.findall(r"(\w+) vLLM CPU defects", (REPO_ROOT / "README.md").read_text())
     assert said and all(w.lower() == words[len(fixes.elts)] for w in said), said
+
+
+def test_the_readme_tau_table_carries_the_repetition_split_of_the_committed_record():
+    from dflash_lab.runtime import REPO_ROOT
+
+    record = json.loads((BENCHMARKS_DIR / "repetition.json").read_text())
+    readme = (REPO_ROOT / "README.md").read_text()
+    header = next(line for line in readme.splitlines() if line.startswith("| drafter | attention in the block"))
+    assert "repetitive" in header and "non-repetitive set" in header
+    for name, module in (("paper", "`laguna-tiny-code-dflash`"), ("poolside", "`laguna-tiny-code-dflash-poolside`")):
+        row = next(line for line in readme.splitlines() if line.startswith(f"| {module} "))
+        held = record["sets"]["held-out"]["drafters"][name]["16"]
+        fresh = record["sets"]["non-repetitive"]["drafters"][name]["16"]
+        assert f"{held['tau_repetitive']:.2f} / {held['tau_non_repetitive']:.2f}" in row, row
+        assert f"**{fresh['tau']:.2f}**" in row, row
+    held = record["sets"]["held-out"]["drafters"]["paper"]["16"]
+    assert f"{held['num_repetitive']} repetitive / {held['num_prompts'] - held['num_repetitive']} other" in header
