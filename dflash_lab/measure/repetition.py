@@ -115,4 +115,5 @@ HEADLINE_SETTING = "48 held-out prompts, 64 new tokens, block 16, greedy, CPU fl
 def setting_line(prompts: str, new_tokens, block, why: str) -> str:
     """The line a chapter prints before a τ: its prompts, new-token budget and block, and why its τ is not the
     headline's (e.g. ``setting_line("8 held-out prompts (last 64 tokens)", 32, 16, "fewer, shorter prompts")``)."""
-    return f"τ setting: {prompts}, {new_tokens} new tokens, block {block}; not the headline's ({HEADLINE_SETTING}): {why}"
+    return (f"τ setting: {prompts}, {new_tokens} new tokens, block {block}; "
+            f"not the headline's ({HEADLINE_SETTING}): {why}")

@@ -34,7 +34,8 @@ NONREPETITIVE_DESCRIPTION = (
     "Non-repetitive prompts: cut from held-out files of the training corpus (dflash_lab.train.code_corpus; held out "
     "by path): the standard library and the lab's own dependencies (torch, transformers, vLLM, numpy, ...), by the "
     "held-out set's rule "
-    "(dflash_lab.corpus.cut_prompts, seed 7, 240 cut, none overlapping heldout_prompts.json or docstring_prompts.json), "
+    "(dflash_lab.corpus.cut_prompts, seed 7, 240 cut, none overlapping heldout_prompts.json or "
+    "docstring_prompts.json), "
     f"kept where the shipped target's greedy 64-token continuation repeats fewer than {REPETITIVE_AT:.0%} of its "
     f"{NGRAM}-grams (dflash_lab.measure.repetition); neither the target nor the drafters train on them.")
 
@@ -72,7 +73,8 @@ def measure_set(target, drafters: dict, tokenizer, prompts: list[dict], blocks, 
     shares = continuation_shares(target, tokenizer, prompts, max_new_tokens)
     entry = {"num_prompts": len(prompts), "shares": [round(s, 4) for s in shares], "drafters": {}}
     for name, drafter in drafters.items():
-        evs = evaluate_acceptance(target, drafter, tokenizer, prompts, block_sizes=blocks, max_new_tokens=max_new_tokens)
+        evs = evaluate_acceptance(target, drafter, tokenizer, prompts, block_sizes=blocks,
+                                  max_new_tokens=max_new_tokens)
         entry["drafters"][name] = {
             str(bs): {**tau_by_repetition(ev.per_prompt_counts(), shares), "interval": bootstrap_tau(
                 ev.per_prompt_counts()), "per_prompt_drafts_accepted": ev.per_prompt_counts()}
