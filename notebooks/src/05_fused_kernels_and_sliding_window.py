@@ -68,7 +68,7 @@ from dflash_lab import viz
 from dflash_lab.spec_decode.fast import context_kv_kernel as kernels
 from dflash_lab.assets import default_device, heldout_prompts, load_default_pair, record_note
 from dflash_lab.context_kv import context_kv_agreement
-from dflash_lab.drafter import dflash_attention_mask, with_window
+from dflash_lab.drafter import with_window
 from dflash_lab.repro import rounded
 from dflash_lab.runtime import REPO_ROOT, seed_everything
 from dflash_lab.spec_decode import generate_on_prompts
@@ -449,18 +449,9 @@ predicted_vs_published_figure(cards, lab)
 # the last 7 context keys and itself, each later query one context key fewer and one
 # block key more; the last sees no context at all — only its own block up to itself.
 
-# %%
-ctx_pos, q_pos = torch.arange(24), torch.arange(24, 32)
-mask = dflash_attention_mask(q_pos[None], ctx_pos, 8, window=8, causal=True)[0]  # (Q, N + Q)
-for causal in (True, False):
-    for w in (8, None):
-        m = dflash_attention_mask(q_pos[None], ctx_pos, 8, window=w, causal=causal)[0]
-        print(f"{'causal    ' if causal else 'non-causal'} {'window 8 ' if w else 'no window'}: context keys per query "
-              f"{m[:, :24].sum(-1).tolist()}, block keys per query {m[:, 24:].sum(-1).tolist()}")
-
-# %%
-viz.visibility_mask_figure(mask, query_positions=q_pos, key_positions=torch.cat([ctx_pos, q_pos]), context_len=24,
-                           title="Which keys each block query sees: sliding window 8, causal (vLLM's sliding layers)")
+# %% [markdown]
+# Chapter 2 draws this mask and lets you move the window and flip causality (its explorer, with the count of keys
+# each query sees); §7's explorer below draws it once more, beside the acceptance each window gives.
 
 # %% [markdown]
 # ## 7 · What the window costs in acceptance
