@@ -116,3 +116,19 @@ def test_the_readme_tau_table_carries_the_repetition_split_of_the_committed_reco
         assert f"**{fresh['tau']:.2f}**" in row, row
     held = record["sets"]["held-out"]["drafters"]["paper"]["16"]
     assert f"{held['num_repetitive']} repetitive / {held['num_prompts'] - held['num_repetitive']} other" in header
+
+
+def test_the_explorer_says_when_a_continuation_is_the_target_looping():
+    from types import SimpleNamespace
+
+    import torch
+
+    from dflash_lab.widgets.acceptance import repetition_note
+
+    def run(continuation):
+        return SimpleNamespace(output_ids=torch.tensor([[1, 2, 3] + continuation]), prompt_length=3)
+
+    looping, fresh = run([5, 6, 7] * 8), run(list(range(10, 34)))
+    assert "repetitive" in repetition_note([looping]) and "repetitive" not in repetition_note([fresh])
+    assert "1 of 2 continuations repetitive" in repetition_note([looping, fresh])
+    assert repetition_note([]) == ""

@@ -5,11 +5,25 @@ from __future__ import annotations
 import ipywidgets as widgets
 
 from dflash_lab import viz
+from dflash_lab.measure.repetition import REPETITIVE_AT, repeated_ngram_share
 from dflash_lab.spec_decode import generate_on_prompts
 from dflash_lab.widgets.common import WIDE, WIDE_BUTTONS, _redraw_figure_widget, figure_widget
 
 YOUR_TEXT = "your text (box below)"
 DRAFT_SAMPLING = {"greedy": "greedy drafts (vLLM's default)", "probabilistic": "probabilistic drafts"}
+
+
+def repetition_note(outputs) -> str:
+    """How many of these continuations are the target repeating itself (``measure.repetition``): τ on a looping
+    continuation measures copying, not drafting."""
+    shares = [repeated_ngram_share(r.output_ids[0, r.prompt_length:]) for r in outputs]
+    if not shares:
+        return ""
+    looping = sum(x >= REPETITIVE_AT for x in shares)
+    if len(shares) == 1:
+        return (f" · its continuation repeats {shares[0]:.0%} of its 4-grams"
+                + (": <b>repetitive</b>, so this τ is mostly copying" if looping else ""))
+    return f" · {looping} of {len(shares)} continuations repetitive (≥ {REPETITIVE_AT:.0%} of their 4-grams repeated)"
 
 
 def acceptance_explorer(target, drafter, prompt_sets: dict, *, tokenizer=None, encode=None, max_new_tokens: int = 32,
@@ -82,7 +96,8 @@ def acceptance_explorer(target, drafter, prompt_sets: dict, *, tokenizer=None, e
         summary.value = (
             f"<b>{method.value}</b>, block {block.value}, temperature {temperature.value}, {sampling}; "
             f"{len(outputs)} prompt{'s' if len(outputs) != 1 else ''} × {max_new_tokens} tokens: "
-            f"mean acceptance length τ {tau} · {stats.target_forwards_per_token:.2f} target forwards per token")
+            f"mean acceptance length τ {tau} · {stats.target_forwards_per_token:.2f} target forwards per token"
+            + repetition_note(outputs))
         if tokenizer is not None and outputs:
             tokens.value = viz.acceptance_tokens_html(outputs[0], tokenizer)
 
