@@ -18,7 +18,7 @@ with the bytes counted here from the configs (bf16: 2 bytes a parameter):
                        projection of the appended positions reads the same k/v weights again
 
 The bandwidth is the H200's 4.8 TB/s by its datasheet, or a copy bandwidth measured in the
-same run (``bench_xs2``). Nothing here touches a GPU.
+same run (``bench_xs2_steps``). Nothing here touches a GPU.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Benchmark: speculative decoding speed of the shipped pair, measured, and projected to Laguna-XS.2.
+"""Benchmark: speculative decoding speed of the pair in use (by default the shipped one), measured.
 
     python -m dflash_lab.tools.bench spec-decode [--quick] [--prompt-set {heldout,docstring,both}] [--eager-loop]
 
@@ -13,9 +13,7 @@
    K/V, accept), on the held-out prompts.
 2. The goal, per prompt set (``goal_check``): at batch 1, graphs on, DFlash at the
    largest block over target-only (>= 3x?), and over the best prompt lookup.
-3. Projected (``bench_xs2``, GPU only): Laguna-XS.2's step times, graphed,
-   with the measured acceptance on the held-out prompts.
-4. ``--eager-loop``: the same pair through ``speculative_generate`` (the eager
+3. ``--eager-loop``: the same pair through ``speculative_generate`` (the eager
    teaching loop, transformers' forward and DynamicCache) on held-out prompts,
    under "shipped_pair" (chapter 3 reads them); without it the previous run's rows
    are carried over, marked as such.
@@ -46,7 +44,6 @@ from ..spec_decode import SpecDecodeStats, speculative_generate
 from .bench_common import OUT_HELP, pair_out_dir, write_results
 from ..measure.decoding import PROMPT_SETS, measure_fast_decoding, phase_breakdown, prompt_set_of, records_of, speedups
 from .bench_fast_decode import PROMPT_SET_TEXT, fast_markdown
-from .bench_xs2 import layer_read_floor_ms, project_graphed, xs2_graphed_times
 
 # prompt set -> (its loader, its file)
 PROMPT_SET_SOURCES = {"heldout": (heldout_prompts, HELDOUT_PROMPTS), "docstring": (docstring_prompts, DOCSTRING_PROMPTS)}
@@ -235,39 +232,6 @@ def spec_decode_markdown(result: dict) -> str:
         lines += ["", f"Note: {result['phases_note']}"]
     lines += goal_lines(result)
     lines += gap_lines(result)
-    proj = result.get("projection_graphed")
-    if proj and proj.get("speedups"):
-        g = proj["timings"]
-        lines += ["", "## Laguna-XS.2 projection from graphed timings", "",
-                  "speedup(B) = tau(B) x T_target(1) / (T_target(B) + T_drafter(B)). Assumptions: batch 1; tau = the "
-                  "shipped pair's measured mean acceptance length (batch 1, graphs on, the held-out prompts above), not "
-                  "XS.2's own drafter's; T_target: transformers' LagunaConfig defaults (hidden 2048, 48 heads / 8 KV x 128, 256 experts "
-                  f"top-8, MoE width 512, vocab 100352), random bf16 weights (routing of random weights, not a trained "
-                  f"model's), every layer sparse and full attention, a {g['context']}-token KV cache, experts via grouped "
-                  "GEMMs, on the static path captured as one CUDA graph; built with 2 and 4 layers and extrapolated per "
-                  f"layer to 40; T_drafter: a {g['drafter_layers']}-layer drafter at the same width (dense MLP 8192), the "
-                  "block forward + lm_head + argmax, and the context K/V of all B block positions, one graph. One GPU, "
-                  "no tensor parallelism, no overlap of drafting with verification.", "",
-                  "| block | tokens/step | T_target(1) ms | T_target(B) ms | T_drafter(B) ms | projected speedup |",
-                  "|---|---|---|---|---|---|"]
-        for r in proj["speedups"]:
-            lines.append(f"| {r['block_size']} | {r['tokens_per_step']:.3f} | {r['T_target_1_ms']:.3f} | "
-                         f"{r['T_target_B_ms']:.3f} | {r['T_drafter_B_ms']:.3f} | {r['speedup']:.2f}x |")
-        per_layer = {int(b): v["graphed"]["per_layer_ms"] for b, v in g["target_per_block"].items()}
-        big = max(per_layer)
-        lines += ["", f"Read these as upper bounds. The graphed static path is itself launch-bound at this size: one "
-                      f"layer takes {per_layer[1]:.3f} ms for 1 token and {per_layer[big]:.3f} ms for {big}, while reading "
-                      f"the layer's weights once takes {layer_read_floor_ms(1):.3f} ms for 1 token and up to "
-                      f"{layer_read_floor_ms(big):.3f} ms for {big} (their {big} x top-8 expert choices, if distinct). An "
-                      "engine near that floor verifies a block at a higher multiple of a one-token decode than the "
-                      f"{per_layer[big] / per_layer[1]:.2f}x per layer measured here, and gains less from DFlash at batch 1."]
-    old = result.get("projection_eager")
-    if old and old.get("speedups"):
-        best = {r["block_size"]: r for r in old["speedups"]}
-        lines += ["", "The earlier projection from eager timings (`projection_eager` in the JSON, tau of its 8 prompts): "
-                      + "; ".join(f"block {b}: {r['wall']['speedup']:.2f}x from wall times, {r['kernels']['speedup']:.2f}x "
-                                  "from summed kernel times" for b, r in sorted(best.items()) if "wall" in r and "kernels" in r)
-                      + "."]
     eager = result.get("shipped_pair")  # the eager loop's rows (chapter 3 reads them under this key)
     if eager:
         note = " (carried over from an earlier run)" if result.get("shipped_pair_carried_over") else ""
@@ -327,7 +291,6 @@ def spec_decode(args) -> int:
               "pair": pair_fingerprint(), "command": "python -m dflash_lab.tools.bench spec-decode" + flags}
     last = _previous(out, stem)
     previous = last.get("shipped_pair") or []  # eager-loop rows (the key chapter 3 reads)
-    previous_projection = last.get("projection_eager") or (last.get("projection") if "shipped_pair" in last else None)
     same_pair = last.get("pair") == result["pair"]
     kept, result["prompt_sets"] = kept_records(last, pair=result["pair"], graphs=graphs, prompt_sets=sets)
 
@@ -363,30 +326,12 @@ def spec_decode(args) -> int:
     elif same_pair and last.get("phases"):
         result["phases"] = last["phases"]
     save()
-    taus = {r["block_size"]: r["mean_acceptance_length"] for r in records_of(records, "heldout")
-            if r["method"] == "dflash" and r["batch"] == 1 and r["cuda_graphs"]}
-    if args.no_projection and last.get("projection_graphed", {}).get("timings"):  # the last run's timings, new tau
-        timings = last["projection_graphed"]["timings"]
-        timings["target_per_block"] = {int(k): v for k, v in timings["target_per_block"].items()}
-        timings["drafter_ms"] = {int(k): v for k, v in timings["drafter_ms"].items()}
-        result["projection_graphed"] = {"timings": timings, "speedups": project_graphed(taus, timings)}
-    if not args.no_projection and device.type == "cuda":
-        try:
-            timings = xs2_graphed_times(device=device, block_sizes=blocks, context=args.projection_context,
-                                        drafter_layers=args.drafter_layers, progress=log)
-            result["projection_graphed"] = {"timings": timings, "speedups": project_graphed(taus, timings)}
-        except Exception as e:  # the measured records stand on their own
-            log(f"  graphed projection failed: {type(e).__name__}: {e}")
-            result["projection_error"] = f"{type(e).__name__}: {e}"
-        save()
     if args.eager_loop:
         result["shipped_pair"] = measure_eager_loop(
             target, drafters["paper"], heldout[:8], device=device, max_new_tokens=max_new, block_sizes=blocks, progress=log,
             on_row=lambda rows: (result.update(shipped_pair=list(rows)), save()))
     elif previous:
         result.update(shipped_pair=previous, shipped_pair_carried_over=True)
-    if previous_projection:  # the eager (wall / profiler kernel-sum) projection of the earlier run, for comparison
-        result["projection_eager"] = previous_projection
     paths = save()
     print(spec_decode_markdown(result))
     print("wrote", *paths)
@@ -405,11 +350,7 @@ def add_command(subparsers) -> None:
                    help="which prompts to time: the held-out ones (checkpoints/heldout_prompts.json), the "
                         "docstring-first ones (checkpoints/docstring_prompts.json) or both, each with --prompts prompts "
                         "cut to their last 256 tokens (default both); the other set's rows are kept from the last run "
-                        "of the same pair. The phases, the projection and --eager-loop use the held-out prompts")
-    p.add_argument("--projection-context", type=int, default=2048, help="KV-cache length of the projection")
-    p.add_argument("--drafter-layers", type=int, default=5, help="layers of the projected XS.2 drafter")
-    p.add_argument("--no-projection", action="store_true",
-                   help="skip timing the Laguna-XS.2 projection (GPU only); the last run's timings are reused with the new tau")
+                        "of the same pair. The phases and --eager-loop use the held-out prompts")
     p.add_argument("--graphs", choices=["both", "on", "off"], default="both",
                    help="CUDA graphs on, off or both (GPU); rows of the other setting are kept from the last run")
     p.add_argument("--eager-loop", action="store_true",
