@@ -132,3 +132,16 @@ def test_the_explorer_says_when_a_continuation_is_the_target_looping():
     assert "repetitive" in repetition_note([looping]) and "repetitive" not in repetition_note([fresh])
     assert "1 of 2 continuations repetitive" in repetition_note([looping, fresh])
     assert repetition_note([]) == ""
+
+
+def test_the_drafter_comparison_carries_the_repetition_split_when_the_pairs_match():
+    from dflash_lab.tools.bench_drafters import drafters_markdown
+
+    result = json.loads((BENCHMARKS_DIR / "drafters.json").read_text())
+    record = json.loads((BENCHMARKS_DIR / "repetition.json").read_text())
+    held = record["sets"]["held-out"]["drafters"]["paper"]["16"]
+    line = (f"{held['num_repetitive']} of {held['num_prompts']} continuations repetitive; τ at block 16 on those / on "
+            f"the others: paper {held['tau_repetitive']:.2f} / {held['tau_non_repetitive']:.2f}")
+    assert line in drafters_markdown(result, BENCHMARKS_DIR) and line in (BENCHMARKS_DIR / "drafters.md").read_text()
+    other = dict(result, pair={"target": "another pair"})
+    assert "Repetition" not in drafters_markdown(other, BENCHMARKS_DIR)  # never another pair's split

@@ -169,8 +169,12 @@ def window_markdown(study: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def markdown(result: dict) -> str:
-    """The comparison as tables: tau [interval] per drafter and block, then the paired differences."""
+def markdown(result: dict, repetition: dict | None = None) -> str:
+    """The comparison as tables: tau [interval] per drafter and block, then the paired differences.
+
+    repetition: ``benchmarks/repetition.json`` of the same pair; each set then also says how many of its
+    continuations are repetitive and each proposer's τ on the repetitive and other ones (block 16).
+    """
     pct = round(100 * result["level"])
     lines = []
     for set_name, entry in result["sets"].items():
@@ -190,6 +194,15 @@ def markdown(result: dict) -> str:
             lines.append(f"| prompt lookup (block {bs}) | " + " | ".join(
                 f"{c['tau']:.2f} [{c['low']:.2f}, {c['high']:.2f}]" if str(b) == bs else "" for b in blocks) + " |")
         lines.append("")
+        split = (repetition or {}).get("sets", {}).get(set_name)
+        if split:
+            by = {**split["drafters"], "prompt lookup": split["prompt_lookup"]}
+            first = next(iter(split["drafters"].values()))["16"]
+            lines += [f"Repetition (`benchmarks/repetition.md`): {first['num_repetitive']} of {first['num_prompts']} "
+                      f"continuations repetitive; τ at block 16 on those / on the others: " + ", ".join(
+                          f"{name} {r['16']['tau_repetitive']:.2f} / {r['16']['tau_non_repetitive']:.2f}"
+                          for name, r in by.items() if r.get("16") and r["16"]["tau_non_repetitive"] is not None)
+                      + ".", ""]
     lines.append(f"Intervals: {pct} % percentile bootstrap over prompts ({result['resamples']} resamples, "
                  "the same resamples for every row of a set, so differences are paired).")
     return "\n".join(lines) + "\n"

@@ -23,6 +23,23 @@ from ..train.evaluate import update_training_log
 from .bench_common import OUT_HELP, pair_out_dir, write_results
 
 
+def drafters_markdown(result: dict, out_dir) -> str:
+    """benchmarks/drafters.md from its record, with the repetition split of benchmarks/repetition.json beside each
+    set when that record is of the same pair."""
+    import json
+    from pathlib import Path
+
+    path = Path(out_dir) / "repetition.json"
+    repetition = json.loads(path.read_text()) if path.is_file() else None
+    if repetition is not None and repetition.get("pair") != result.get("pair"):
+        repetition = None
+    return ("# The shipped drafters compared\n\n"
+            f"{result['device']}, {result['dtype']}, `evaluate_acceptance` (the decoder's exact counters). "
+            "paper = `laguna-tiny-code-dflash` (full attention, non-causal); poolside = "
+            "`laguna-tiny-code-dflash-poolside` (sliding window 64, causal).\n\n" + markdown(result, repetition)
+            + f"\nCommand: `{result['command']}` ({result['seconds']:.0f} s)\n")
+
+
 def drafters(args) -> int:
     """The `drafters` subcommand."""
     device = resolve_device(args.device, caller="bench drafters")
@@ -52,11 +69,7 @@ def drafters(args) -> int:
                   dtype=str(next(target.parameters()).dtype).replace("torch.", ""),
                   seconds=round(time.perf_counter() - start, 1),
                   command="python -m dflash_lab.tools.bench drafters" + (" --quick" if args.quick else ""))
-    md = ("# The shipped drafters compared\n\n"
-          f"{result['device']}, {result['dtype']}, `evaluate_acceptance` (the decoder's exact counters). "
-          "paper = `laguna-tiny-code-dflash` (full attention, non-causal); poolside = "
-          "`laguna-tiny-code-dflash-poolside` (sliding window 64, causal).\n\n" + markdown(result)
-          + f"\nCommand: `{result['command']}` ({result['seconds']:.0f} s)\n")
+    md = drafters_markdown(result, args.out)
     paths = write_results(args.out, "drafters_quick" if args.quick else "drafters", result, md)
     print(md)
     print("wrote", *paths)
