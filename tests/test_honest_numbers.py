@@ -145,3 +145,13 @@ def test_the_drafter_comparison_carries_the_repetition_split_when_the_pairs_matc
     assert line in drafters_markdown(result, BENCHMARKS_DIR) and line in (BENCHMARKS_DIR / "drafters.md").read_text()
     other = dict(result, pair={"target": "another pair"})
     assert "Repetition" not in drafters_markdown(other, BENCHMARKS_DIR)  # never another pair's split
+
+
+def test_the_conversion_table_keeps_a_conditional_bar_inside_its_cell():
+    from dflash_lab.spec_decode.acceptance import CONVERSIONS, conversion_table_markdown
+
+    rows = conversion_table_markdown().splitlines()
+    # every row splits into as many cells as the header once escaped bars are left alone
+    cells = [len([c for c in row.replace("\\|", "¦").split("|")[1:-1]]) for row in rows]
+    assert set(cells) == {len(CONVERSIONS[0])}
+    assert any("P(i kept \\| 0..i-1 kept)" in row for row in rows)

@@ -205,7 +205,7 @@ def conversion_table_markdown() -> str:
     """``CONVERSIONS`` as a markdown table (for a notebook or the docs)."""
     keys = list(CONVERSIONS[0])
     lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
-    lines += ["| " + " | ".join(row[k] for k in keys) + " |" for row in CONVERSIONS]
+    lines += ["| " + " | ".join(row[k].replace("|", "\\|") for k in keys) + " |" for row in CONVERSIONS]  # P(a | b)
     return "\n".join(lines)
 
 
