@@ -345,6 +345,9 @@ viz.speedup_vs_tau_figure(speed_records)
 # NBVAL_IGNORE_OUTPUT
 if docstring_records and device.type != "cuda":  # the committed run's second prompt set: the same methods
     plain = {r["batch"]: r["tokens_per_s"] for r in docstring_records if r["method"] == "target_only" and r["cuda_graphs"]}
+    ds = speed.get("prompt_sets", {}).get("docstring", {})
+    print(f"setting: {ds.get('n_prompts', '?')} docstring-first prompts, {ds.get('max_new_tokens', '?')} new tokens "
+          "each, batch 1, graphs on (the committed run)")
     for r in docstring_records:
         if r["cuda_graphs"] and r["batch"] == 1 and r["block_size"] == 16:
             print(f"docstring-first prompts, {r['method']:15s} block 16: {r['tokens_per_s'] / plain[1]:.2f}x plain greedy, "
@@ -416,6 +419,10 @@ for kind in ("target", "drafter"):
         print(f"{kind:>7}, {t['block']:>2} tokens: {t['ms']:6.2f} ms measured, floor {t['floor_ms']:.2f} ms at 4.8 TB/s "
               f"({t['over_floor']:.1f}x the floor at the {xs2['copy_bandwidth_Bps'] / 1e12:.2f} TB/s copy bandwidth)")
 cards, lab = poolside_table(xs2), lab_pair_table()
+held = speed.get("prompt_sets", {}).get("heldout", {})
+print("setting: each card's tau is Poolside's, on that benchmark's prompts at 15 speculative tokens (block 16); the "
+      f"shipped pair's rows are the committed H200 run's {held.get('n_prompts', '?')} held-out prompts, "
+      f"{held.get('max_new_tokens', '?')} new tokens each")
 for r in cards:
     c = "-" if r["concurrency"] is None else r["concurrency"]
     print(f"{r['card'].split('/')[-1]:<26} {r['benchmark']:<9} c={c:<2} tau {r['tau']:.2f}: published {r['published']:.2f}x, "

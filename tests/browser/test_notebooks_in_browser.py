@@ -631,7 +631,7 @@ def check_chapter_4(nb: Notebook, *, flipped: bool = False) -> None:
     checkpoints), the split case is drawn with vLLM V1's refusal, and the explorer offers the
     shipped pair (selected before the flips) and the split case as presets."""
     here = nb.kernel_eval("", "{'groups': len(pair_split), 'drafter': n_drafter, 'split': SPLIT_DEPTH, "
-                              "'refusal': split_refusal, "
+                              "'refusal': split_refusal, 'split_target': SPLIT_TARGET, "
                               "'shipped': kv_presets.PRESETS['shipped_pair']['label'], "
                               "'split_label': kv_presets.PRESETS['shipped_target_4_layer_drafter']['label']}")
     page = nb.page.evaluate(JS_CHAPTER_4, nb.path)
@@ -640,7 +640,8 @@ def check_chapter_4(nb: Notebook, *, flipped: bool = False) -> None:
     groups = f"{here['groups']} group{'s' if here['groups'] > 1 else ''}"
     assert first.startswith("The shipped pair") and f"the drafter's {here['drafter']} layers in {groups}" in first, (
         f"{nb.path}: the first figure is not the shipped pair's grouping ({groups}): {first!r}")
-    split = [t for t in page["titles"] if t.startswith(f"The shipped target + a {here['split']}-layer drafter")]
+    target = here["split_target"][0].upper() + here["split_target"][1:]  # "The same target": the loaded one
+    split = [t for t in page["titles"] if t.startswith(f"{target} + a {here['split']}-layer drafter")]
     assert split and here["refusal"] in split[0], (
         f"{nb.path}: the split case is not drawn with vLLM's refusal {here['refusal']!r}: {page['titles'][:6]}")
     assert page["models"], f"{nb.path}: no 'model' dropdown (the KV-group explorer)"
