@@ -262,7 +262,7 @@ def test_the_builder_never_replaces_a_folder_it_did_not_write(tmp_path):
 # ---------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")  # its environment is put back before the next test file runs
 def executed(user_pair, tmp_path_factory):
     """chapter name -> its notebook executed on the user pair (as `make report` runs it), or the error."""
     from dflash_lab.repro import write_ipython_startup
