@@ -383,8 +383,8 @@ h200 = [{"label": names[r["method"]] + ("" if r["method"] == "target_only" else 
         for r in records_of(bench["records"], "heldout") if r["batch"] == 1 and r["cuda_graphs"]
         and r["method"] in names and r["block_size"] in (1, 16)]
 measured = sorted({r.get("measured", "?")[:10] for r in bench["records"] if r["method"] in names and r["batch"] == 1})
-print(f"H200 setting: {bench['n_prompts']} held-out prompts, {bench['max_new_tokens']} new tokens, bfloat16, batch 1; "
-      f"measured {', '.join(measured)}")
+print(f"H200 setting: {bench['n_prompts']} held-out prompts, {bench['max_new_tokens']} new tokens, bfloat16, batch 1, "
+      f"DFlash and prompt lookup at block 16 (b16); measured {', '.join(measured)}")
 if not measured_on_this_pair(bench):  # another pair's numbers would not belong on this pair's figure
     then, now = bench.get("pair") or {}, pair_fingerprint()
     depth = (then.get("paper") or {}).get("num_hidden_layers", "?")
@@ -421,7 +421,8 @@ if h200:  # the H200's per-step phases, for the same pair only
     ratio, tau_h200 = per_step["dflash"] / per_step["target_only"], next(r["tau"] for r in h200 if r["method"] == "DFlash")
     print(f"H200: a DFlash b16 step {per_step['dflash']:.2f} ms (draft {ph['dflash']['draft_ms_per_step']:.2f}, verify "
           f"{ph['dflash']['verify_ms_per_step']:.2f}), a plain step {per_step['target_only']:.2f} ms: {ratio:.2f} plain "
-          f"steps, so tau {tau_h200:.2f} buys at most {tau_h200 / ratio:.2f}x")
+          f"steps, so tau {tau_h200:.2f} buys at most {tau_h200 / ratio:.2f}x (the H200 run's setting: "
+          f"{bench['n_prompts']} held-out prompts, {bench['max_new_tokens']} new tokens, block 16)")
 
 
 def step_cost(st):  # this machine: (ms of target forward, ms of drafter + context append) per target forward
