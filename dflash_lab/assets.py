@@ -20,6 +20,8 @@ block, as Poolside ships Laguna-S-2.1-DFlash), in ``checkpoints/laguna-tiny-code
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import os
 from pathlib import Path
 
@@ -144,22 +146,28 @@ def pair_fingerprint() -> dict:
     """Which pair a record was measured on: the first 12 hex digits of the SHA-256 over each checkpoint's weight
     files (every shard, in name order), and each drafter's depth. Benchmarks store it; chapters compare it with the
     pair in use, so a record of the shipped pair is never shown as a user's."""
-    import hashlib
     import json
 
-    def digest(directory) -> str:
-        h = hashlib.sha256()
-        for file in weight_files(directory):
-            with open(file, "rb") as f:
-                for chunk in iter(lambda: f.read(1 << 20), b""):
-                    h.update(chunk)
-        return h.hexdigest()[:12]
+    def digest(directory) -> str:  # read once per file state: a chapter asks several times, a real target is GBs
+        files = tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in weight_files(directory))
+        return _weights_digest(files)
 
     out = {"target": digest(target_path())}
     for name, directory in pair_drafters().items():
         layers = json.loads((directory / "config.json").read_text())["num_hidden_layers"]
         out[name] = {"weights": digest(directory), "num_hidden_layers": layers}
     return out
+
+
+@functools.lru_cache(maxsize=32)
+def _weights_digest(files: tuple) -> str:
+    """The first 12 hex digits of the SHA-256 over the files' bytes, in order ((path, size, mtime) keys the cache)."""
+    h = hashlib.sha256()
+    for path, _size, _mtime in files:
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                h.update(chunk)
+    return h.hexdigest()[:12]
 
 
 def measured_on_this_pair(record: dict) -> bool:
