@@ -14,6 +14,8 @@ One file per step, in data-path order (like vLLM's ``v1/spec_decode/``):
                teacher-forced length, τ at its ceiling) and how to convert between them
     loop       ``speculative_generate``: argument checks, the target's KV cache
                and verification forward, and the draft -> verify -> accept loop
+    schedule   K per running batch size: vLLM 0.33's ``num_speculative_tokens_per_batch_size``
+               (its validation and batch -> K table) and the schedule a benchmark recommends
 
 ``fast/`` is a second backend of the same algorithm, the way a server runs it on a
 GPU: static buffers, Triton kernels and CUDA graphs around the drafter's own
@@ -47,6 +49,9 @@ _EXPORTS = {
     "SpecDecodeStep": "loop", "SpecDecodeResult": "loop", "new_target_cache": "loop", "crop_cache": "loop",
     "verify_forward": "loop", "check_generation_args": "loop", "speculative_generate": "loop",
     "prompt_lookup_generate": "loop", "generate_on_prompts": "loop",
+    # the per-batch speculation schedule
+    "SpeculationSchedule": "schedule", "validate_schedule": "schedule", "schedule_lookup": "schedule",
+    "Measurement": "schedule", "recommend_schedule": "schedule", "speculative_config_json": "schedule",
 }
 
 __all__ = list(_EXPORTS)
