@@ -16,7 +16,7 @@ The three paths compute the same thing in different orders:
                 normalise the context ONCE (no weight), run ONE GEMM for all layers'
                 K and V, then K-norm + RoPE in one pass. On a GPU with Triton the norm
                 becomes a row scale applied after the GEMM (row scales commute with it)
-                and the last pass is a single fused kernel (dflash_lab.spec_decode.fast.context_kv_kernel).
+                and the last pass is a single fused kernel (dflash_lab.context_kv_kernel).
 
 Because they round in different orders they agree to rounding only:
 ``context_kv_tolerance`` is the rule, and ``context_kv_agreement`` is the one
@@ -34,7 +34,7 @@ import math
 import torch
 
 from .layers import apply_rope, rms_normalize, rope_tables
-from .spec_decode.fast import context_kv_kernel as kernels
+from . import context_kv_kernel as kernels
 
 CONTEXT_KV_PATHS = ("reference", "batched", "folded")
 

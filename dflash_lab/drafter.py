@@ -330,7 +330,7 @@ class DFlashLagunaDrafter(nn.Module):
         context: (N, H); positions: (N,). Returns K, V each (L, N, nkv, hd).
         path: one of context_kv.CONTEXT_KV_PATHS ("reference", "batched", "folded").
         fused (folded path only): None = the fused Triton kernel where it can run
-        (CUDA, see spec_decode.fast.context_kv_kernel), False = torch ops, True = insist on it.
+        (CUDA, see dflash_lab.context_kv_kernel), False = torch ops, True = insist on it.
         """
         if context.dim() != 2 or context.shape[-1] != self.config.hidden_size:
             raise ValueError(f"context must be (N, {self.config.hidden_size}), got {tuple(context.shape)}")

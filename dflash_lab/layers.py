@@ -1,9 +1,8 @@
 """Small building blocks of Laguna's layers: RMSNorm, partial neox-style RoPE, GQA attention.
 
-The drafter (``drafter.py``), the context-K/V paths (``context_kv.py``), the static
-target (``spec_decode/fast/static_target.py``) and the fused kernel
-(``spec_decode/fast/context_kv_kernel.py``) all normalise, rotate and attend the same
-way; this is the one definition they share.
+The drafter (``drafter.py``), the context-K/V paths (``context_kv.py``), their fused
+kernel (``context_kv_kernel.py``) and the static target (``spec_decode/fast/static_target.py``)
+all normalise, rotate and attend the same way; this is the one definition they share.
 """
 
 from __future__ import annotations

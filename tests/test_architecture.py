@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import dflash_lab
@@ -21,12 +23,13 @@ def modules() -> dict[str, Path]:
     return found
 
 
-def top_level_imports(name: str, file: Path) -> set[str]:
-    """Lab modules imported at module level (imports inside functions are lazy on purpose)."""
+def top_level_imports(name: str, file: Path, *, lazy: bool = False) -> set[str]:
+    """Lab modules imported at module level (imports inside functions are lazy on purpose);
+    ``lazy=True``: those inside functions too."""
     tree = ast.parse(file.read_text())
     package = name if file.name == "__init__.py" else name.rsplit(".", 1)[0]
     out = set()
-    for node in tree.body:
+    for node in (ast.walk(tree) if lazy else tree.body):
         if isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package.split(".")[: len(package.split(".")) - node.level + 1]
@@ -41,9 +44,15 @@ def top_level_imports(name: str, file: Path) -> set[str]:
     return out
 
 
-def import_graph() -> dict[str, set[str]]:
+def import_graph(*, lazy: bool = False) -> dict[str, set[str]]:
     mods = modules()
-    return {name: {t for t in top_level_imports(name, file) if t in mods and t != name} for name, file in mods.items()}
+    return {name: {t for t in top_level_imports(name, file, lazy=lazy) if t in mods and t != name}
+            for name, file in mods.items()}
+
+
+def module_map() -> list[str]:
+    """The modules of dflash_lab/__init__.py's map, in its order: the layer order."""
+    return [line.split()[0] for line in dflash_lab.__doc__.splitlines() if line.startswith("    ") and line.split()]
 
 
 def test_no_module_is_over_about_400_lines():
@@ -101,14 +110,62 @@ def test_the_kv_cache_modules_and_the_fast_backend_are_sub_packages():
     assert not {n for n in names if n.startswith("dflash_lab.kv_")} - {n for n in names if n.startswith("dflash_lab.kv_cache")}
     assert {"dflash_lab.spec_decode.fast.static_target", "dflash_lab.spec_decode.fast.static_drafter",
             "dflash_lab.spec_decode.fast.triton_ops", "dflash_lab.spec_decode.fast.cuda_graphs",
-            "dflash_lab.spec_decode.fast.context_kv_kernel", "dflash_lab.spec_decode.fast.decoder"} <= names
+            "dflash_lab.spec_decode.fast.decoder"} <= names
     assert "dflash_lab.spec_decode.metrics" in names and "dflash_lab.metrics" not in names
 
 
-def test_the_package_inits_that_lower_modules_import_through_run_nothing():
-    """context_kv imports spec_decode.fast.context_kv_kernel: the two package inits on the way must import nothing."""
-    graph = import_graph()
-    assert graph["dflash_lab.spec_decode"] == set() and graph["dflash_lab.spec_decode.fast"] == set()
+def _unit(module: str) -> str:
+    """The entry of the module map a module belongs to ('dflash_lab.kv_cache.groups' -> 'kv_cache')."""
+    return module.split(".")[1]
+
+
+def test_no_import_runs_up_the_module_map():
+    """Each module imports (at module level) only what the map lists above its own entry."""
+    rank = {unit: i for i, unit in enumerate(module_map())}
+    up = sorted(f"{name} -> {dep}" for name, deps in import_graph().items() if name != "dflash_lab"
+                for dep in deps if dep != "dflash_lab" and rank[_unit(dep)] > rank[_unit(name)])
+    assert not up, "imports running up the order of dflash_lab/__init__.py: " + "; ".join(up)
+
+
+def test_the_fused_context_kv_kernel_sits_below_the_drafter_and_the_backends_above_it():
+    """context_kv's fused epilogue lives beside it: nothing at or below the drafter imports spec_decode, even
+    inside a function, and only spec_decode itself, measure (it times the fast backend) and tools import
+    spec_decode.fast."""
+    graph = import_graph(lazy=True)
+    assert graph["dflash_lab.context_kv"] >= {"dflash_lab.context_kv_kernel"}
+    below = {f"dflash_lab.{unit}" for unit in ("layers", "context_kv_kernel", "context_kv", "drafter")}
+    assert {name: {d for d in graph[name] if d.startswith("dflash_lab.spec_decode")} for name in below} == {
+        name: set() for name in below}
+    importers = {_unit(name) for name, deps in graph.items() if name != "dflash_lab"
+                 and any(d.startswith("dflash_lab.spec_decode.fast") for d in deps)}
+    assert importers <= {"spec_decode", "measure", "tools"}, importers
+
+
+def test_kv_cache_engine_and_groups_do_not_import_each_other_both_ways():
+    """groups asks the engine for rules="vllm-0.33"; the engine takes vLLM's grouping from grouping, not groups."""
+    graph = import_graph(lazy=True)
+    engine, groups = "dflash_lab.kv_cache.engine", "dflash_lab.kv_cache.groups"
+    assert engine in graph[groups] and groups not in graph[engine]
+    assert "dflash_lab.kv_cache.grouping" in graph[engine]
+    import dflash_lab.kv_cache as kv_cache
+
+    order = [line.split()[0] for line in kv_cache.__doc__.splitlines() if line.startswith("    ") and line.split()
+             and f"dflash_lab.kv_cache.{line.split()[0]}" in graph]
+    assert set(order) == {name.rsplit(".", 1)[1] for name in graph if name.startswith("dflash_lab.kv_cache.")}
+    for i, name in enumerate(order):
+        later = {f"dflash_lab.kv_cache.{m}" for m in order[i + 1:]}
+        assert not graph[f"dflash_lab.kv_cache.{name}"] & later, f"kv_cache.{name} imports a module listed below it"
+
+
+def test_importing_the_vllm_engine_loads_only_the_counters_of_spec_decode():
+    """spec_decode exports its names lazily so that the counters load alone: ``make serve`` imports
+    dflash_lab.vllm_engine, which needs SpecDecodeStats and the /metrics reader, not the drafter, transformers or
+    Triton (importing the loop costs ~8 s on a 2-core CPU)."""
+    code = ("import sys, dflash_lab.vllm_engine; "
+            "print(sorted(m for m in ('transformers', 'triton', 'dflash_lab.drafter', 'dflash_lab.spec_decode.loop') "
+            "if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
 
 
 def test_chapters_import_nothing_from_tools():

@@ -10,7 +10,7 @@ import torch
 
 from dflash_lab.measure import context_kv as bench_context_kv
 from dflash_lab.runtime import REPO_ROOT
-from dflash_lab.spec_decode.fast import context_kv_kernel as kernels
+from dflash_lab import context_kv_kernel as kernels
 from dflash_lab.viz.kernels import context_kv_live_figure
 from dflash_lab.viz.speed import METHOD_LABELS, speedup_vs_tau_figure
 

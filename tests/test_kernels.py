@@ -17,7 +17,7 @@ import textwrap
 import pytest
 import torch
 
-from dflash_lab.spec_decode.fast import context_kv_kernel as kernels
+from dflash_lab import context_kv_kernel as kernels
 from dflash_lab.context_kv import context_kv_agreement
 
 from test_drafter import LAYER_FLAVOURS, context

@@ -1045,12 +1045,6 @@ def test_v2_speculator_gives_a_split_laguna_drafter_one_groups_slots():
 # ---------------------------------------------------------------------------
 
 
-def _drafter_groups(specs, groups):
-    return [n for n in (sum(specs[name].is_draft for name in g.layer_names) for g in groups) if n]
-
-
-
-
 def test_the_shipped_pair_preset_is_the_checkpoints_pair_and_comes_first():
     from dflash_lab.runtime import drafter_path, target_path
 
@@ -1087,7 +1081,7 @@ def test_on_the_shipped_target_a_3_layer_drafter_sits_in_one_group_and_a_4_layer
     assert (kinds.count("sliding_window"), kinds.count("full_attention")) == (4, 2)
     three = kv_specs.laguna_dflash_specs(target, kv_presets.shipped_drafter_config(3))
     groups = kv.vllm_kv_cache_groups(three)
-    assert [len(g.layer_names) for g in groups] == [4, 5] and _drafter_groups(three, groups) == [3]
+    assert [len(g.layer_names) for g in groups] == [4, 5] and kv.drafter_layers_per_group(three, groups) == [3]
     assert v1_refusal(three, groups) is None
     four = kv_presets.preset_specs("shipped_target_4_layer_drafter")
     assert sum(s.is_draft for s in four.values()) == kv_presets.PRESETS["shipped_target_4_layer_drafter"]["drafter_layers"] == 4
@@ -1095,7 +1089,7 @@ def test_on_the_shipped_target_a_3_layer_drafter_sits_in_one_group_and_a_4_layer
     names = list(four)
     full = [n for n in names if kv_layout.spec_kind(four[n]) == "full_attention"]
     assert [g.layer_names for g in groups][1:] == [full[0::2], full[1::2]]
-    assert _drafter_groups(four, groups) == [2, 2]
+    assert kv.drafter_layers_per_group(four, groups) == [2, 2]
     assert v1_refusal(four, groups) == "All drafting layers should belong to the same kv cache group"
     off = kv.vllm_kv_cache_groups(four, hybrid_manager_disabled=True)
     assert len(off) == 1 and v1_refusal(four, off) is None
@@ -1128,7 +1122,36 @@ def test_only_the_worked_example_splits_its_drafter_over_groups():
             continue
         specs = kv_presets.preset_specs(name)
         groups = kv.vllm_kv_cache_groups(specs)
-        split[name] = sum(any(specs[n].is_draft for n in g.layer_names) for g in groups) > 1
+        split[name] = len(kv.drafter_layers_per_group(specs, groups)) > 1
         assert (kv.v1_refusal(specs, groups) is not None) is split[name], name
     assert {"shipped_pair", "laguna_xs2_dflash", "laguna_s21_dflash"} <= {n for n, s in split.items() if not s}
     assert {n for n, s in split.items() if s} == {"shipped_target_4_layer_drafter"}
+
+
+def test_the_engine_wrapper_asks_v1s_own_check_whether_the_drafter_is_in_one_group(tmp_path):
+    """One answer to "is the drafter in one KV-cache group": the serve/offline wrappers turn the hybrid manager
+    off exactly where vLLM V1's validate_same_kv_cache_group refuses the pair's groups."""
+    import json
+
+    from dflash_lab.runtime import DEFAULT_DRAFTER, DEFAULT_TARGET
+    from dflash_lab.vllm_engine.kv_grouping import drafter_kv_groups, needs_hybrid_manager_disabled
+
+    target = kv_presets.load_config(DEFAULT_TARGET)
+    for depth, split in ((3, False), (4, True), (1, False)):
+        drafter_dir = tmp_path / f"d{depth}"
+        drafter_dir.mkdir()
+        config = kv_presets.shipped_drafter_config(depth, path=DEFAULT_DRAFTER)
+        (drafter_dir / "config.json").write_text(json.dumps(config))
+        specs = kv_specs.laguna_dflash_specs(target, config)
+        refused = kv.v1_refusal(specs, kv.vllm_kv_cache_groups(specs))
+        assert needs_hybrid_manager_disabled(DEFAULT_TARGET, drafter_dir) is split is (refused is not None), depth
+        per_group = drafter_kv_groups(DEFAULT_TARGET, drafter_dir)
+        assert [len(g) for g in per_group] == kv.drafter_layers_per_group(specs, kv.vllm_kv_cache_groups(specs))
+        assert sorted(n for g in per_group for n in g) == sorted(kv.draft_layer_names(specs))
+
+
+def test_a_spec_dict_with_no_draft_layer_is_refused_by_v1_as_vllm_would():
+    """V1's check asks for exactly one group among the draft layers: with none marked it refuses (vLLM's answer)."""
+    specs = kv_specs.laguna_target_specs(kv_presets.load_config(kv_presets.target_path()))
+    assert kv.drafter_layers_per_group(specs, kv.vllm_kv_cache_groups(specs)) == []
+    assert kv.v1_refusal(specs, kv.vllm_kv_cache_groups(specs)) == "All drafting layers should belong to the same kv cache group"

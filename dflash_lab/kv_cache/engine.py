@@ -1,7 +1,8 @@
 """What vLLM 0.33's engine itself does with the KV-cache groups, run through vLLM's own code.
 
-``kv_groups`` applies upstream #55390's rules on top of vLLM's grouping. This module
-runs, for comparison, the path an engine takes in 0.33 without them:
+``groups`` applies upstream #55390's rules on top of vLLM's grouping. This module
+runs, for comparison, the path an engine takes in 0.33 without them (``groups`` calls it
+for ``rules="vllm-0.33"``; this module takes vLLM's grouping from ``grouping``, never from ``groups``):
 
     partition   ``get_kv_cache_groups_from_builder`` asserts that every grouping
                 partitions the layers exactly (``_check_exact_partition``,
@@ -15,7 +16,7 @@ runs, for comparison, the path an engine takes in 0.33 without them:
                 (``sched/scheduler.py:331, 342-345``)
 
 The engine's config is a default ``VllmConfig`` with two stand-ins: the speculative
-config (``kv_groups.speculative_config_stub``, vLLM's predicates on a plain object) and
+config (``grouping.speculative_config_stub``, vLLM's predicates on a plain object) and
 a model config saying the model brings no grouping of its own (no model in 0.33 does).
 """
 
@@ -27,7 +28,7 @@ import logging
 from types import SimpleNamespace
 from typing import Any, NamedTuple
 
-from dflash_lab.kv_cache.groups import _check_method, grouping_config, layout_name, speculative_config_stub
+from dflash_lab.kv_cache.grouping import check_method, grouping_config, layout_name, speculative_config_stub
 from dflash_lab.kv_cache.specs import check_spec_dict, vllm_api, vllm_version
 
 # vLLM's planning module logs its draft-group warning under this name.
@@ -45,7 +46,8 @@ class BlockDrop(NamedTuple):
 
 
 def _engine_config(method: str | None, layout: str, hybrid_manager_disabled: bool, **stub_fields):
-    config = copy.copy(grouping_config(layout_name(layout), bool(hybrid_manager_disabled)))  # shares sub-configs, read only
+    # A shallow copy: it shares the cached config's sub-configs, which nothing here writes.
+    config = copy.copy(grouping_config(layout_name(layout), bool(hybrid_manager_disabled)))
     config.speculative_config = None if method is None else speculative_config_stub(method, **stub_fields)
     config.model_config = SimpleNamespace(supports_kv_cache_grouping=False)
     return config
@@ -53,7 +55,7 @@ def _engine_config(method: str | None, layout: str, hybrid_manager_disabled: boo
 
 def block_drop(method: str, *, disable_lookahead_block_hashes: bool = False) -> BlockDrop:
     """Whether ``method`` drops the last block of a prefix-cache hit in vLLM 0.33, from vLLM's own predicates."""
-    method = _check_method(method)
+    method = check_method(method)
     if method is None:
         raise ValueError("method is None: block_drop needs a speculative method")
     config = _engine_config(method, "LBHNC", False, disable_lookahead_block_hashes=disable_lookahead_block_hashes)
@@ -101,7 +103,7 @@ def engine_kv_cache_groups(
     No #55390: the marker rule runs only where ``use_eagle_block_drop()``; nothing else flags.
     """
     specs = check_spec_dict(kv_cache_spec)
-    config = _engine_config(_check_method(method), layout, hybrid_manager_disabled)
+    config = _engine_config(check_method(method), layout, hybrid_manager_disabled)
     with vllm_draft_group_warnings() as warned:
         try:
             groups = vllm_api().planning.get_global_kv_cache_groups(config, [dict(specs)])

@@ -16,11 +16,9 @@ the Mooncake store marks the spec groups of flagged groups
 
 This module follows the data path of that decision:
 
-    vLLM's grouping   ``get_kv_cache_groups`` from vLLM 0.33, on a default
-                      ``VllmConfig`` whose cache layout is set: ``LBHNC`` (the
-                      general path) or ``BLHNC`` (block-outermost: the packed path
-                      when page sizes differ)
-    the drop          ``needs_eagle_block_drop``: vLLM's own predicate per method
+    vLLM's grouping   ``grouping.vllm_kv_cache_groups``: vLLM 0.33's ``get_kv_cache_groups``
+                      on the general (``LBHNC``) or packed (``BLHNC``) layout
+    the drop          ``grouping.needs_eagle_block_drop``: vLLM's own predicate per method
     the rules         upstream vLLM #55390: the draft marker, the trailing-layer rule
                       (MTP anywhere, every EAGLE-family method on DeepSeek V4/V4.1) behind
                       an exact-partition check, and a warning when a hybrid with Mamba
@@ -29,40 +27,47 @@ This module follows the data path of that decision:
                       every EAGLE-family method, the warning after every annotation;
                       ``"seed-gated"`` the same rules behind vLLM 0.33's gate, only where
                       ``use_eagle_block_drop()`` (eagle, eagle3, mtp); ``"vllm-0.33"`` vLLM
-                      0.33 itself: its ``get_global_kv_cache_groups`` (``kv_engine``), the
+                      0.33 itself: its ``get_global_kv_cache_groups`` (``engine``), the
                       marker rule alone behind that gate, no trailing-layer rule
                       (``kv_cache_planning.py:1650-1656``). ``kv_cache.compare`` tabulates
                       where "seed" and "vllm-0.33" differ.
 
-``kv_engine`` runs vLLM 0.33's own engine-level annotation (``rules="vllm-0.33"``);
-``kv_layout`` reads the groups back: rows for the figures and memory per group.
-vLLM is imported on first use only (``kv_specs.vllm_api``).
+``engine`` runs vLLM 0.33's own engine-level annotation (``rules="vllm-0.33"``);
+``layout`` reads the groups back: rows for the figures and memory per group. vLLM's own
+answers (the grouping, the predicates, V1's one-group check) live in ``grouping``; the names
+chapter 4 and the tests reach through this module are re-exported from there.
+vLLM is imported on first use only (``specs.vllm_api``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from functools import lru_cache
 from typing import Any
 
-from dflash_lab.kv_cache.specs import check_spec_dict, vllm_api, vllm_version
+from dflash_lab.kv_cache.engine import engine_kv_cache_groups
+from dflash_lab.kv_cache.grouping import (  # noqa: F401  (re-exported: chapter 4 and the tests use them from here)
+    EAGLE_METHODS,
+    LAYOUTS,
+    SPEC_METHODS,
+    check_method,
+    draft_layer_names,
+    drafter_layers_per_group,
+    grouping_config,
+    layout_name,
+    needs_eagle_block_drop,
+    speculative_config_stub,
+    use_eagle_block_drop,
+    v1_refusal,
+    vllm_kv_cache_groups,
+)
+from dflash_lab.kv_cache.specs import check_spec_dict, vllm_api
 
 logger = logging.getLogger("dflash_lab.kv_cache.groups")
 
 # The text of rule 3's warning; tests and the notebook look for it.
 DRAFT_GROUP_WARNING = "no KV cache group could be identified as the draft model's"
 
-# ``SpeculativeConfig.method`` values vLLM 0.33 accepts (its deprecated per-model
-# MTP aliases such as "deepseek_mtp" are spelled "mtp" here, as vLLM rewrites them).
-SPEC_METHODS = (
-    "ngram", "ngram_gpu", "suffix", "draft_model", "custom_class", "extract_hidden_states",
-    "eagle", "eagle3", "mtp", "dflash", "dspark",
-)
-# The EAGLE family (vLLM's ``SpeculativeConfig.use_eagle()``): drafters that read
-# the target's hidden states and keep their own KV cache. Only they have a draft
-# group to find.
-EAGLE_METHODS = ("eagle", "eagle3", "mtp", "dflash", "dspark")
 # On DeepSeek V4/V4.1 every EAGLE-family drafter's layer registers after every target
 # layer, as an MTP block does, by reusing the target's decoder layer.
 TRAILING_LAYER_MODEL_TYPES = ("deepseek_v4", "deepseek_v41")
@@ -79,26 +84,9 @@ RULES = {
     "vllm-0.33": "vLLM 0.33's get_global_kv_cache_groups: the is_draft marker only, behind the same gate; no #55390",
 }
 
-# The two cache layouts the lab compares; vLLM accepts the other KVCacheLayout names too.
-LAYOUTS = {"LBHNC": "general", "BLHNC": "packed"}
-
-
 # ---------------------------------------------------------------------------
 # Checking the arguments
 # ---------------------------------------------------------------------------
-
-
-def _check_method(method: str | None) -> str | None:
-    if method is None:
-        return None
-    if not isinstance(method, str):
-        raise TypeError(f"method must be a string or None, got {type(method).__name__}")
-    if method not in SPEC_METHODS:
-        raise ValueError(
-            f"method {method!r} is not a speculative method vLLM 0.33 knows; "
-            f"expected None or one of {list(SPEC_METHODS)}"
-        )
-    return method
 
 
 def _check_model_type(model_type: str | None) -> str | None:
@@ -122,92 +110,9 @@ def _check_rules(rules: str) -> str:
     return rules
 
 
-def layout_name(layout: str) -> str:
-    """vLLM's KVCacheLayout name for ``layout`` ('general' -> 'LBHNC', 'packed' -> 'BLHNC')."""
-    if not isinstance(layout, str):
-        raise TypeError(f"layout must be a string such as 'LBHNC' or 'BLHNC', got {type(layout).__name__}")
-    aliases = {v: k for k, v in LAYOUTS.items()}  # "general" -> "LBHNC", "packed" -> "BLHNC"
-    name = aliases.get(layout, layout)
-    members = vllm_api().KVCacheLayout.__members__
-    if name not in members:
-        raise ValueError(
-            f"layout {layout!r} is not a vLLM KV-cache layout; expected 'LBHNC' (general), "
-            f"'BLHNC' (packed) or one of {list(members)}"
-        )
-    return name
-
-
-# ---------------------------------------------------------------------------
-# vLLM's grouping
-# ---------------------------------------------------------------------------
-
-
-@lru_cache(maxsize=None)
-def grouping_config(layout: str, hybrid_manager_disabled: bool):
-    """A default VllmConfig with the layout resolved, as the engine core would before profiling."""
-    # Cached: building one takes a few hundred ms, and the grouping only reads it.
-    config = vllm_api().VllmConfig()
-    config.cache_config.kv_cache_layout = layout
-    config.scheduler_config.disable_hybrid_kv_cache_manager = hybrid_manager_disabled
-    return config
-
-
-def vllm_kv_cache_groups(kv_cache_spec: Any, *, layout: str = "LBHNC", hybrid_manager_disabled: bool = False) -> list:
-    """vLLM 0.33's ``get_kv_cache_groups``, as it comes: no group is flagged as the drafter's."""
-    specs = check_spec_dict(kv_cache_spec)
-    layout = layout_name(layout)
-    config = grouping_config(layout, bool(hybrid_manager_disabled))
-    try:
-        # vLLM may rewrite the dict in place (hybrid manager disabled): hand it a copy.
-        return vllm_api().planning.get_kv_cache_groups(config, dict(specs))
-    except (AssertionError, NotImplementedError, TypeError, ValueError) as exc:
-        raise ValueError(
-            f"vLLM {vllm_version()} cannot group these layers (layout={layout}, "
-            f"hybrid_manager_disabled={bool(hybrid_manager_disabled)}): {type(exc).__name__}: {exc}"
-        ) from exc
-
-
 # ---------------------------------------------------------------------------
 # The rules of upstream vLLM #55390
 # ---------------------------------------------------------------------------
-
-
-@lru_cache(maxsize=None)
-def _speculative_stub_class() -> type:
-    # vLLM's own SpeculativeConfig predicates, bound to a plain object: building a real
-    # SpeculativeConfig needs a target and a drafter model on disk, these need one field.
-    cls = vllm_api().SpeculativeConfig
-    borrowed = ("use_eagle", "use_dflash", "use_dspark", "needs_eagle_block_drop", "use_eagle_block_drop",
-                "use_multi_module_mtp")
-    return type("SpeculativeConfigStub", (), {name: getattr(cls, name) for name in borrowed})
-
-
-def speculative_config_stub(method: str, *, disable_eagle_block_drop: bool = False,
-                            disable_lookahead_block_hashes: bool = False, num_speculative_tokens: int = 1):
-    """An object answering vLLM 0.33's ``SpeculativeConfig`` predicates (``use_eagle()``,
-    ``needs_eagle_block_drop()``, ...) with vLLM's own code, for ``method``."""
-    stub = _speculative_stub_class()()
-    stub.method = _check_method(method)
-    stub.draft_model_config = None  # single-module MTP: no draft hf_config to read
-    stub.num_speculative_tokens = num_speculative_tokens
-    stub.disable_eagle_block_drop = bool(disable_eagle_block_drop)
-    stub.disable_lookahead_block_hashes = bool(disable_lookahead_block_hashes)
-    return stub
-
-
-def needs_eagle_block_drop(method: str | None) -> bool:
-    """vLLM 0.33's ``SpeculativeConfig.needs_eagle_block_drop()``: True for eagle, eagle3, mtp.
-
-    Their draft K/V at a position is built from the next token, so a prefix-cache hit's
-    last block must be recomputed. DFlash and dspark build it from the target's hidden
-    state alone (``config/speculative.py:2122-2149``).
-    """
-    return method is not None and bool(speculative_config_stub(method).needs_eagle_block_drop())
-
-
-def use_eagle_block_drop(method: str | None) -> bool:
-    """vLLM 0.33's ``SpeculativeConfig.use_eagle_block_drop()`` with the drop not switched off."""
-    return method is not None and bool(speculative_config_stub(method).use_eagle_block_drop())
 
 
 def rules_run(method: str | None, rules: str = "seed") -> bool:
@@ -218,7 +123,7 @@ def rules_run(method: str | None, rules: str = "seed") -> bool:
     ``get_global_kv_cache_groups`` (``kv_cache_planning.py:1650-1656``) that holds both the
     annotation and the warning.
     """
-    method, rules = _check_method(method), _check_rules(rules)
+    method, rules = check_method(method), _check_rules(rules)
     if method not in EAGLE_METHODS:
         return False
     return True if rules == "seed" else use_eagle_block_drop(method)
@@ -233,7 +138,7 @@ def uses_trailing_mtp_layers(method: str | None, model_type: str | None) -> bool
     when the target is DeepSeek V4/V4.1, for every EAGLE-family method there. Other
     drafters elsewhere (eagle, eagle3, dflash, dspark) are not covered.
     """
-    method, model_type = _check_method(method), _check_model_type(model_type)
+    method, model_type = check_method(method), _check_model_type(model_type)
     if method not in EAGLE_METHODS:
         return False
     return method == "mtp" or model_type in TRAILING_LAYER_MODEL_TYPES
@@ -268,7 +173,7 @@ def annotate_draft_groups(
        layers of ``kv_cache_spec``; otherwise "the last layer" may sit in no group or in two.
        When a drafter's trailing layers span several groups, only the very last one's is found.
     """
-    method, model_type = _check_method(method), _check_model_type(model_type)
+    method, model_type = check_method(method), _check_model_type(model_type)
     specs = check_spec_dict(kv_cache_spec)
     if use_trailing_layer_fallback and _check_rules(rules) == "vllm-0.33":
         raise ValueError("use_trailing_layer_fallback: vLLM 0.33 has no trailing-layer rule (it is #55390's); "
@@ -354,14 +259,12 @@ def kv_cache_groups(
     'BLHNC' block-outermost/packed) or 'general' / 'packed'. ``rules`` (see ``RULES``):
     ``"seed"`` (the seed patch's rules as its tests state them), ``"seed-gated"`` (the same
     rules behind 0.33's block-drop gate) or ``"vllm-0.33"``: vLLM 0.33's own
-    ``get_global_kv_cache_groups`` (``kv_engine.engine_kv_cache_groups``), its warning logged
+    ``get_global_kv_cache_groups`` (``engine.engine_kv_cache_groups``), its warning logged
     again here so ``captured_warnings`` sees it.
     """
-    method, model_type, rules = _check_method(method), _check_model_type(model_type), _check_rules(rules)
+    method, model_type, rules = check_method(method), _check_model_type(model_type), _check_rules(rules)
     specs = check_spec_dict(kv_cache_spec)
     if rules == "vllm-0.33":
-        from dflash_lab.kv_cache.engine import engine_kv_cache_groups  # engine imports this module
-
         groups, warned = engine_kv_cache_groups(specs, method=method, layout=layout,
                                                 hybrid_manager_disabled=hybrid_manager_disabled)
         for message in warned:
@@ -372,22 +275,3 @@ def kv_cache_groups(
                           use_trailing_layer_fallback=uses_trailing_mtp_layers(method, model_type), rules=rules)
     warn_if_draft_group_unidentified(method, groups, rules=rules)
     return groups
-
-
-def v1_refusal(kv_cache_spec: Any, groups: list) -> str | None:
-    """vLLM V1's ``validate_same_kv_cache_group`` on ``groups``: None where it accepts, else its own message.
-
-    The draft layers are those whose spec carries the draft marker (``is_draft``), as vLLM's proposer lists
-    them; the check itself is vLLM's (``SpecDecodeBaseProposer``), run on stand-ins for the proposer and config.
-    """
-    from types import SimpleNamespace
-
-    from vllm.v1.spec_decode.llm_base_proposer import SpecDecodeBaseProposer
-
-    proposer = SimpleNamespace(_draft_attn_layer_names=[n for n, s in kv_cache_spec.items() if s.is_draft])
-    try:
-        SpecDecodeBaseProposer.validate_same_kv_cache_group(proposer, SimpleNamespace(kv_cache_groups=groups))
-    except AssertionError as refused:
-        return str(refused)
-    return None
-

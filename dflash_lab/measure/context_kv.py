@@ -20,7 +20,7 @@ import torch
 from ..context_kv import build_context_kv_buffers, context_kv_agreement, context_kv_batched
 from ..drafter import DFlashLagunaDrafter
 from ..runtime import device_name
-from ..spec_decode.fast import context_kv_kernel as kernels
+from .. import context_kv_kernel as kernels
 from .timing import time_ms, xs2_drafter
 
 # What is timed: the three paths of context_kv.py, two variants, and the floor.

@@ -19,7 +19,7 @@ import torch
 
 from ..context_kv import build_context_kv_buffers, context_kv_agreement
 from ..runtime import BENCHMARKS_DIR, device_name, resolve_device
-from ..spec_decode.fast import context_kv_kernel as kernels
+from .. import context_kv_kernel as kernels
 from ..measure.context_kv import TIMED_PATHS, context_kv_targets, lookup_ms, run_context_kv
 from ..measure.timing import XS2, graphed_ms, time_ms, xs2_drafter
 from .bench_common import write_results

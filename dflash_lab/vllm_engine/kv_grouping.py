@@ -30,8 +30,9 @@ spec into a full-attention one and puts all layers in one group; the sliding
 layers still attend inside their window (vLLM: "the compute of layers like
 sliding window is still saved"), so outputs do not change, only the sliding
 layers' pages are no longer freed early. The lab asks vLLM's own grouping
-(vLLM 0.33, in the lab's ``.venv``) which case a pair is in and passes the
-flag only where the drafter would be split.
+(vLLM 0.33, in the lab's ``.venv``) which case a pair is in, puts V1's own check to the
+groups (``kv_cache.grouping.v1_refusal``, the lab's one answer to "is the drafter in one
+group") and passes the flag only where that check refuses them.
 """
 
 from __future__ import annotations
@@ -40,19 +41,28 @@ import json
 from pathlib import Path
 
 
-def drafter_kv_groups(target_dir, drafter_dir, *, hybrid_manager_disabled: bool = False) -> list[list[str]]:
-    """The drafter layers of each vLLM KV-cache group that holds any (vLLM 0.33's get_kv_cache_groups)."""
-    from ..kv_cache import groups as kv_groups, specs as kv_specs
+def _pair_specs(target_dir, drafter_dir) -> dict:
+    from ..kv_cache import specs as kv_specs
 
     target = json.loads((Path(target_dir) / "config.json").read_text())
     drafter = json.loads((Path(drafter_dir) / "config.json").read_text())
-    specs = kv_specs.laguna_dflash_specs(target, drafter)
-    drafter_layers = list(specs)[target["num_hidden_layers"]:]
-    groups = kv_groups.vllm_kv_cache_groups(specs, hybrid_manager_disabled=hybrid_manager_disabled)
-    return [[name for name in group.layer_names if name in drafter_layers] for group in groups
-            if set(group.layer_names) & set(drafter_layers)]
+    return kv_specs.laguna_dflash_specs(target, drafter)  # the drafter's layers carry the draft marker
+
+
+def drafter_kv_groups(target_dir, drafter_dir, *, hybrid_manager_disabled: bool = False) -> list[list[str]]:
+    """The drafter layers of each vLLM KV-cache group that holds any (vLLM 0.33's get_kv_cache_groups)."""
+    from ..kv_cache import grouping
+
+    specs = _pair_specs(target_dir, drafter_dir)
+    drafted = set(grouping.draft_layer_names(specs))
+    groups = grouping.vllm_kv_cache_groups(specs, hybrid_manager_disabled=hybrid_manager_disabled)
+    return [[name for name in group.layer_names if name in drafted] for group in groups
+            if drafted.intersection(group.layer_names)]
 
 
 def needs_hybrid_manager_disabled(target_dir, drafter_dir) -> bool:
-    """True when vLLM's hybrid grouping would split the drafter's layers over more than one group."""
-    return len(drafter_kv_groups(target_dir, drafter_dir)) > 1
+    """True when vLLM V1 would refuse the pair's groups (``grouping.v1_refusal``: the drafter split over groups)."""
+    from ..kv_cache import grouping
+
+    specs = _pair_specs(target_dir, drafter_dir)
+    return grouping.v1_refusal(specs, grouping.vllm_kv_cache_groups(specs)) is not None

@@ -6,7 +6,7 @@ import ipywidgets as widgets
 import torch
 
 from dflash_lab import viz
-from dflash_lab.spec_decode.fast import context_kv_kernel as kernels
+from dflash_lab import context_kv_kernel as kernels
 from dflash_lab.context_kv import CONTEXT_KV_PATHS
 from dflash_lab.drafter import with_window
 from dflash_lab.measure import context_kv as bench_context_kv

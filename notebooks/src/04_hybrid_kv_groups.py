@@ -189,13 +189,7 @@ with vllm_notes() as notes:
 for note in notes:
     print("vLLM WARNING:", note)
 
-
-def drafter_layers_per_group(specs, groups):
-    """How many of the drafter's layers each group holding any of them holds."""
-    return [n for n in (sum(specs[name].is_draft for name in g.layer_names) for g in groups) if n]
-
-
-pair_split = drafter_layers_per_group(pair, pair_groups)
+pair_split = kv_groups.drafter_layers_per_group(pair, pair_groups)  # the draft layers of each group holding any
 print("drafter layers per group that holds any:", pair_split)
 
 # %%
@@ -283,9 +277,10 @@ print(f"{'drafter layers':>14s} {'full':>5s} {'sliding':>8s} {'group size':>11s}
 split_at = None
 for depth in range(1, 9):
     specs = kv_specs.laguna_dflash_specs(target_config, kv_presets.shipped_drafter_config(depth))
-    per_group = drafter_layers_per_group(specs, kv_groups.vllm_kv_cache_groups(specs))
+    groups = kv_groups.vllm_kv_cache_groups(specs)
+    per_group = kv_groups.drafter_layers_per_group(specs, groups)
     sliding, full, _ = layer_counts(specs)
-    split_at = split_at or (depth if len(per_group) > 1 else None)
+    split_at = split_at or (depth if v1_refusal(specs, groups) else None)  # V1's check: not in one group
     mark = "   <- the drafter in use" if depth == n_drafter else ""
     print(f"{depth:>14d} {full + depth:>5d} {sliding:>8d} {vllm_grouping(specs)[0]:>11d}  {per_group}{mark}")
 print("the shallowest drafter vLLM splits on this target:", split_at)
@@ -311,9 +306,9 @@ with vllm_notes() as notes:
     split_groups, _ = group(split_pair, "dflash", "laguna")
 for note in notes:
     print("vLLM WARNING:", note)
-split_per_group = drafter_layers_per_group(split_pair, split_groups)
-assert len(split_per_group) > 1, f"a {SPLIT_DEPTH}-layer drafter is not split on {SPLIT_TARGET}"
+split_per_group = kv_groups.drafter_layers_per_group(split_pair, split_groups)
 split_refusal = v1_refusal(split_pair, split_groups)
+assert split_refusal, f"a {SPLIT_DEPTH}-layer drafter is not split on {SPLIT_TARGET}"
 same = " (the drafter in use is this case)" if n_drafter == SPLIT_DEPTH and split_at is not None else ""
 display(Markdown(f"A {SPLIT_DEPTH}-layer drafter on {SPLIT_TARGET}{same}: {rule_in_words(split_pair)}, so the drafter is split "
                  f"{' + '.join(map(str, split_per_group))}. vLLM V1's `validate_same_kv_cache_group` refuses: "
@@ -806,7 +801,7 @@ mine_drafter = kv_presets.load_config(DRAFTER_CONFIG) if DRAFTER_CONFIG else Non
 print("target:", TARGET_CONFIG or "built-in Laguna-shaped example", "| drafter:", DRAFTER_CONFIG or "3-layer default")
 mine = kv_specs.laguna_dflash_specs(mine_target, mine_drafter)
 mine_groups = group_both(mine, "dflash", "laguna")
-mine_split = drafter_layers_per_group(mine, mine_groups["BLHNC"])
+mine_split = kv_groups.drafter_layers_per_group(mine, mine_groups["BLHNC"])
 print("drafter layers per group that holds any (packed):", mine_split,
       "| vLLM V1:", v1_refusal(mine, mine_groups["BLHNC"]) or "accepts")
 

@@ -65,7 +65,7 @@ from IPython.display import Markdown, display
 from tqdm.auto import tqdm
 
 from dflash_lab import viz
-from dflash_lab.spec_decode.fast import context_kv_kernel as kernels
+from dflash_lab import context_kv_kernel as kernels
 from dflash_lab.assets import default_device, heldout_prompts, load_default_pair, record_note
 from dflash_lab.context_kv import context_kv_agreement
 from dflash_lab.drafter import with_window

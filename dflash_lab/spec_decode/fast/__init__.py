@@ -1,6 +1,5 @@
 """The fast backend of DFlash decoding: the same algorithm over static buffers, the way a server runs it.
 
-    context_kv_kernel  the fused Triton epilogue of the folded context-K/V path (GPU)
     triton_ops         one-kernel RMSNorm and q/k head norm + RoPE, for the forwards below
     static_target      the target's forward over a preallocated KV cache, no host syncs
     static_drafter     the drafter's context K/V in slots (slot == position), and its block step
@@ -9,5 +8,7 @@
     decoder            ``FastDecoder`` / ``fast_generate`` / ``fast_generate_batch``: several
                        prompts, ragged acceptance, the accept rule of ``spec_decode.sampling``
 
-Nothing is imported here: ``context_kv_kernel`` sits below the drafter, ``decoder`` above the loop.
+Nothing is imported here: ``triton_ops`` serves the static forwards without the decoder that drives
+them. (The fused epilogue of the folded context-K/V path is no part of this backend: it sits beside
+``context_kv.py``, below the drafter, as ``dflash_lab.context_kv_kernel``.)
 """

@@ -17,7 +17,7 @@ results agree to rounding (float32: ~1e-7 relative), not bit for bit.
 ``linears`` (several projections of one input as one GEMM over weights concatenated once,
 ``layers.stacked_linears``) runs on every device; the kernels above only where ``enabled(x)``:
 CUDA tensors with Triton installed, unless DFLASH_LAB_FUSED=0
-(the switch ``context_kv_kernel`` reads). Elsewhere ``norm`` / ``norm_rope`` fall back to
+(the switch ``dflash_lab.context_kv_kernel`` reads). Elsewhere ``norm`` / ``norm_rope`` fall back to
 ``layers.TorchOps``: this module can be passed as ``ops=`` wherever TorchOps can.
 """
 
@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from ...layers import TorchOps, stacked_linears
-from . import context_kv_kernel as kernels
+from ... import context_kv_kernel as kernels
 
 try:  # Triton is a GPU-side extra
     import triton

@@ -35,7 +35,7 @@ import os
 
 import torch
 
-from ...layers import rope_inv_freq
+from .layers import rope_inv_freq
 
 try:  # Triton is a GPU-side extra: the package works without it.
     import triton
