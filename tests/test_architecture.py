@@ -101,8 +101,71 @@ def _package_files_mentioning(text: str) -> set[str]:
 def test_attention_and_the_accept_rule_are_each_written_once():
     """One algorithm: every backend attends through layers.gqa_attention and accepts through sampling."""
     assert _package_files_mentioning("scaled_dot_product_attention(") == {"dflash_lab.layers"}
-    assert _package_files_mentioning(".cumprod(") == {"dflash_lab.spec_decode.sampling"}
     assert _package_files_mentioning("def visible_keys(") == {"dflash_lab.drafter"}
+
+
+def _functions(module: str) -> dict[str, ast.FunctionDef]:
+    """Every function and method of a package module, by name (methods as Class.name)."""
+    tree = ast.parse(modules()[module].read_text())
+    found = {}
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef):
+            found[node.name] = node
+        elif isinstance(node, ast.ClassDef):
+            found.update({f"{node.name}.{f.name}": f for f in node.body if isinstance(f, ast.FunctionDef)})
+    return found
+
+
+def _called(node: ast.AST) -> set[str]:
+    """Names of what a piece of code calls: f(...) and obj.f(...) both give 'f'."""
+    calls = set()
+    for sub in ast.walk(node):
+        if isinstance(sub, ast.Call):
+            calls.add(sub.func.attr if isinstance(sub.func, ast.Attribute) else getattr(sub.func, "id", ""))
+    return calls
+
+
+def test_the_prefix_count_is_written_once_and_every_rule_calls_it():
+    """Prefix acceptance is one function, ``sampling.accepted_prefix_length``; no other code takes a cumprod."""
+    where = {(name, fn) for name in modules() for fn, node in _functions(name).items() if "cumprod" in _called(node)}
+    assert where == {("dflash_lab.spec_decode.sampling", "accepted_prefix_length")}
+    top_level = {name for name, file in modules().items()
+                 if any("cumprod" in _called(n) for n in ast.parse(file.read_text()).body
+                        if not isinstance(n, (ast.FunctionDef, ast.ClassDef)))}
+    assert not top_level
+    sampling = _functions("dflash_lab.spec_decode.sampling")
+    acceptance = _functions("dflash_lab.spec_decode.acceptance")
+    for rule in ("greedy_accept_batch", "rejection_sample", "block_verify", "fly_accept", "synthetic_accept"):
+        assert "accepted_prefix_length" in _called(sampling[rule]), rule
+    assert "greedy_accept_batch" in _called(sampling["greedy_accept"])
+    assert "accepted_prefix_length" in _called(acceptance["leading_runs"])
+    for view in ("leading_run", "teacher_forced_acceptance_length", "stats_from_teacher_forcing"):
+        assert "leading_runs" in _called(acceptance[view]), view
+
+
+def test_the_residual_is_written_once():
+    """(p - q)+ is taken in ``sampling.residual`` alone; every sampling rule resamples through ``_next_token``."""
+    sampling = _functions("dflash_lab.spec_decode.sampling")
+    clamps = {fn for fn, node in sampling.items() for sub in ast.walk(node)
+              if isinstance(sub, ast.Call) and isinstance(sub.func, ast.Attribute) and sub.func.attr == "clamp_min"
+              and sub.args and isinstance(sub.args[0], ast.Constant) and sub.args[0].value == 0}
+    assert clamps == {"residual"}
+    assert "residual" in _called(sampling["residual_distribution"]) and "residual" in _called(sampling["block_verify"])
+    assert "residual_distribution" in _called(sampling["_next_token"])
+    for rule in ("rejection_sample", "block_verify", "fly_accept", "synthetic_accept"):
+        assert "_next_token" in _called(sampling[rule]), rule
+
+
+def test_counts_rates_and_tau_are_defined_once_in_spec_decode_stats():
+    """The conditional rate has one definition (stats.conditional_acceptance_rates); the metric views delegate."""
+    stats, sampling = _functions("dflash_lab.spec_decode.stats"), _functions("dflash_lab.spec_decode.sampling")
+    assert "conditional_acceptance_rates" in _called(stats["SpecDecodeStats.conditional_acceptance_rate"])
+    assert "conditional_acceptance_rates" in _called(sampling["unconditional_to_conditional_rates"])
+    acceptance = _functions("dflash_lab.spec_decode.acceptance")
+    views = ("tau", "accepted_per_draft", "unconditional_rates", "conditional_rates", "acceptance_length_histogram")
+    for view in views:
+        divides = [n for n in ast.walk(acceptance[view]) if isinstance(n, ast.BinOp) and isinstance(n.op, ast.Div)]
+        assert not divides, f"acceptance.{view} recomputes what SpecDecodeStats defines"
 
 
 def test_the_kv_cache_modules_and_the_fast_backend_are_sub_packages():

@@ -32,6 +32,9 @@ from __future__ import annotations
 
 import math
 
+import torch
+
+from .sampling import accepted_prefix_length
 from .stats import SpecDecodeStats
 
 # ---------------------------------------------------------------------------
@@ -46,7 +49,7 @@ def tau(stats: SpecDecodeStats) -> float:
 
 def accepted_per_draft(stats: SpecDecodeStats) -> float:
     """τ without the bonus token: drafted tokens kept per step (A / D = sum of r_i)."""
-    return stats.num_accepted_tokens / stats.num_drafts if stats.num_drafts else math.nan
+    return stats.mean_accepted_tokens
 
 
 def unconditional_rates(stats: SpecDecodeStats) -> list[float]:
@@ -61,8 +64,7 @@ def conditional_rates(stats: SpecDecodeStats) -> list[float]:
 
 def acceptance_length_histogram(stats: SpecDecodeStats) -> list[float]:
     """hist[a-1] = the share of steps that emitted a tokens (a = 1 .. K+1; a - 1 drafts kept, plus one)."""
-    counts = stats.acceptance_length_counts()
-    return [c / stats.num_drafts if stats.num_drafts else math.nan for c in counts]
+    return stats.acceptance_length_shares
 
 
 def sglang_accept_length(stats: SpecDecodeStats) -> float:
@@ -96,20 +98,25 @@ def ceiling(stats: SpecDecodeStats) -> dict:
 
 
 def _rows(correct) -> list[list[bool]]:
-    rows = correct.tolist() if hasattr(correct, "tolist") else [list(r) for r in correct]
-    if not rows or any(len(r) != len(rows[0]) for r in rows):
+    rows = correct.tolist() if hasattr(correct, "tolist") else [list(r) if hasattr(r, "__iter__") else r
+                                                                for r in correct]
+    if not rows or any(not isinstance(r, list) or len(r) != len(rows[0]) for r in rows):
         raise ValueError("correct must be a non-empty (blocks, K) table of booleans, every row of length K")
     return [[bool(x) for x in r] for r in rows]
 
 
+def leading_runs(correct) -> list[int]:
+    """Drafts greedy verification keeps in each teacher-forced block: the correct positions before the first wrong one.
+
+    The accept rule's own count (``sampling.accepted_prefix_length``), over every block at once.
+    """
+    rows = _rows(correct)
+    return accepted_prefix_length(torch.tensor(rows, dtype=torch.bool)).tolist()  # (blocks, K) -> (blocks,)
+
+
 def leading_run(row) -> int:
-    """Drafts kept by greedy verification of one block: correct positions before the first wrong one."""
-    n = 0
-    for ok in row:
-        if not ok:
-            break
-        n += 1
-    return n
+    """``leading_runs`` of one block."""
+    return leading_runs([list(row)])[0]
 
 
 def teacher_forced_acceptance_length(correct) -> float:
@@ -119,8 +126,8 @@ def teacher_forced_acceptance_length(correct) -> float:
     position correct when it equals the label (the target's prediction). It is τ of a
     greedy run only when the blocks are the ones that run would have drafted.
     """
-    rows = _rows(correct)
-    return 1 + sum(leading_run(r) for r in rows) / len(rows)
+    runs = leading_runs(correct)
+    return 1 + sum(runs) / len(runs)
 
 
 def per_position_accuracy(correct) -> list[float]:
@@ -142,7 +149,7 @@ def stats_from_teacher_forcing(correct) -> SpecDecodeStats:
     """The teacher-forced blocks as vLLM would have counted them, had each been one verification step."""
     rows = _rows(correct)
     stats = SpecDecodeStats(num_accepted_tokens_per_pos=[0] * len(rows[0]))
-    stats.observe_drafts([len(r) for r in rows], [leading_run(r) for r in rows])
+    stats.observe_drafts([len(r) for r in rows], leading_runs(rows))
     return stats
 
 

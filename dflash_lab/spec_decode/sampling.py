@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .stats import conditional_acceptance_rates
+
 # vLLM's `SpeculativeConfig.draft_sample_method` (config/speculative.py): "greedy" (the default)
 # drafts the drafter's argmax and the rejection sampler treats q as one-hot; "probabilistic"
 # samples drafts from q and uses q in the accept test. Both are lossless; acceptance differs.
@@ -72,8 +74,41 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> tor
 
 
 # ---------------------------------------------------------------------------
-# Accepting a draft: greedy match and speculative rejection sampling
+# Accepting a draft: the kept prefix, greedy match and speculative rejection sampling
 # ---------------------------------------------------------------------------
+
+
+def accepted_prefix_length(kept: torch.Tensor) -> torch.Tensor:
+    """(..., K) booleans, draft j passed its test -> (...) drafts kept: the Trues before the first False.
+
+    Every rule and backend counts with it: a draft is kept up to its first rejection, whatever follows."""
+    if not isinstance(kept, torch.Tensor) or kept.dtype != torch.bool or kept.dim() == 0:
+        got = f"a {kept.dtype} tensor of shape {tuple(kept.shape)}" if isinstance(kept, torch.Tensor) else type(kept)
+        raise TypeError(f"kept must be a bool tensor (..., K) of per-position decisions, got {got}")
+    return kept.long().cumprod(-1).sum(-1)  # 1 up to the first False, 0 after; summed
+
+
+def residual(p: torch.Tensor, q: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """(scale·p - q)+, (..., V): the target's mass the draft distribution does not cover (scale: block's w)."""
+    return (scale * p - q).clamp_min(0)
+
+
+def residual_distribution(p: torch.Tensor, q: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """``residual`` normalised, (V,): what a rejection is resampled from; p itself when nothing is left
+    (p == q up to rounding, where the rejection had probability ~0)."""
+    left = residual(p, q, scale)
+    left = left if left.sum() > 0 else p
+    return left / left.sum()
+
+
+def _next_token(draft_ids: torch.Tensor, draft_probs: torch.Tensor | None, target_probs: torch.Tensor, n: int,
+                generator, *, scale: float = 1.0) -> int:
+    """The token after n kept drafts: the bonus from p_K when all K were kept, else a draw from the residual at n."""
+    K = draft_ids.shape[0]
+    if n == K:
+        return int(sample(target_probs[K], generator))
+    q_n = draft_probs[n] if draft_probs is not None else F.one_hot(draft_ids[n], target_probs.shape[-1]).float()
+    return int(sample(residual_distribution(target_probs[n], q_n, scale), generator))
 
 
 def greedy_accept_batch(draft_ids: torch.Tensor, target_ids: torch.Tensor,
@@ -90,7 +125,7 @@ def greedy_accept_batch(draft_ids: torch.Tensor, target_ids: torch.Tensor,
     agree = draft_ids == target_ids[:, :K]  # (b, K)
     if num_draft is not None:
         agree &= torch.arange(K, device=draft_ids.device) < num_draft[:, None]
-    n = agree.long().cumprod(dim=1).sum(dim=1)  # 1 up to the first mismatch, summed
+    n = accepted_prefix_length(agree)  # (b,): agree.long().cumprod(-1).sum(-1), drafts before the first mismatch
     return n, target_ids.gather(1, n[:, None])[:, 0]
 
 
@@ -105,30 +140,22 @@ def rejection_sample(draft_ids: torch.Tensor, draft_probs: torch.Tensor | None, 
     """Speculative sampling (Leviathan et al. 2023; Chen et al. 2023) for one block.
 
     draft_ids (K,): the drafts, d_j drawn from draft_probs[j].
-    draft_probs (K, V) q, or None for a deterministic proposer (q is one-hot at
-        the draft, as vLLM treats prompt-lookup drafts).
-    target_probs (K+1, V) p: the target's distribution at each draft position,
-        plus one more row for the bonus token.
-    Keeps d_j with probability min(1, p_j(d_j) / q_j(d_j)) until the first
-    rejection; at a rejection draws from the normalised residual (p_j - q_j)+;
-    when all K are kept draws the bonus from p_K. Every emitted token is then
-    distributed exactly as the target's own sample would be.
-    Returns (number of drafts kept n, the next token).
+    draft_probs (K, V) q, or None for a deterministic proposer (q is one-hot at the draft, as
+        vLLM treats prompt-lookup drafts).
+    target_probs (K+1, V) p: the target's distribution at each draft position, plus one more
+        row for the bonus token.
+    Keeps d_j with probability min(1, p_j(d_j) / q_j(d_j)) until the first rejection; at a
+    rejection draws from the normalised residual (p_j - q_j)+; when all K are kept draws the
+    bonus from p_K. Every emitted token is then distributed exactly as the target's own sample
+    would be. Returns (number of drafts kept n, the next token).
     """
     K = draft_ids.shape[0]
     rows = torch.arange(K, device=draft_ids.device)
     p = target_probs[rows, draft_ids]  # (K,) target probability of each draft
     q = draft_probs[rows, draft_ids] if draft_probs is not None else torch.ones_like(p)
     u = torch.rand(K, generator=generator, device=p.device)
-    kept = (u * q < p).int().cumprod(0)  # u < p/q, without dividing by q
-    n = int(kept.sum())
-    if n == K:
-        return n, int(sample(target_probs[K], generator))  # bonus
-    q_n = draft_probs[n] if draft_probs is not None else F.one_hot(draft_ids[n], target_probs.shape[-1]).float()
-    residual = (target_probs[n] - q_n).clamp_min(0)
-    if residual.sum() <= 0:  # only when p == q up to rounding, where rejection had probability ~0
-        residual = target_probs[n]
-    return n, int(sample(residual / residual.sum(), generator))
+    n = int(accepted_prefix_length(u * q < p))  # u < p/q, without dividing by q
+    return n, _next_token(draft_ids, draft_probs, target_probs, n, generator)
 
 
 # ---------------------------------------------------------------------------
@@ -172,10 +199,10 @@ def acceptance_length_to_rates(length: float, num_speculative_tokens: int) -> li
 def unconditional_to_conditional_rates(rates) -> list[float]:
     """Per-position unconditional rates r_i (drafts accepted through i / drafts) -> conditional c_i = r_i / r_{i-1}.
 
-    What vLLM's sampler draws against (v1/spec_decode/utils.py:848-851); c_i = 0 where r_{i-1} = 0.
+    What vLLM's sampler draws against (v1/spec_decode/utils.py:848-851), by the lab's one definition
+    (``stats.conditional_acceptance_rates``): NaN where r_{i-1} = 0, where vLLM writes a 0.0 it never reads.
     """
-    rates = [float(r) for r in rates]
-    return [r / prev if prev > 0 else 0.0 for r, prev in zip(rates, [1.0] + rates[:-1])]
+    return conditional_acceptance_rates(rates, 1.0)
 
 
 def fly_entropy(probs: torch.Tensor, top_k: int = FLY_DEFAULT_ENTROPY_TOP_K) -> torch.Tensor:
@@ -185,21 +212,6 @@ def fly_entropy(probs: torch.Tensor, top_k: int = FLY_DEFAULT_ENTROPY_TOP_K) -> 
     """
     top = probs.float().topk(min(top_k, probs.shape[-1]), dim=-1).values
     return -torch.where(top > 0, top * top.clamp_min(1e-30).log(), torch.zeros_like(top)).sum(-1)
-
-
-def _one_hot_rows(draft_ids: torch.Tensor, vocab: int) -> torch.Tensor:
-    return F.one_hot(draft_ids, vocab).float()
-
-
-def _correction(target_probs: torch.Tensor, q_rows: torch.Tensor, n: int, generator, *, scale: float = 1.0) -> int:
-    """The token after n kept drafts: the bonus from p_K when n == K, else a draw from (scale·p_n - q_n)+."""
-    K = q_rows.shape[0]
-    if n == K:
-        return int(sample(target_probs[K], generator))
-    residual = (scale * target_probs[n] - q_rows[n]).clamp_min(0)
-    if residual.sum() <= 0:  # the rejection had probability ~0 (p == q up to rounding)
-        residual = target_probs[n]
-    return int(sample(residual / residual.sum(), generator))
 
 
 def block_verify(draft_ids: torch.Tensor, draft_probs: torch.Tensor | None, target_probs: torch.Tensor,
@@ -220,24 +232,22 @@ def block_verify(draft_ids: torch.Tensor, draft_probs: torch.Tensor | None, targ
     """
     K, V = draft_ids.shape[0], target_probs.shape[-1]
     rows = torch.arange(K, device=draft_ids.device)
-    q_rows = draft_probs if draft_probs is not None else _one_hot_rows(draft_ids, V)
-    p = target_probs[rows, draft_ids].double()
-    q = q_rows[rows, draft_ids].double()
+    q_rows = draft_probs if draft_probs is not None else F.one_hot(draft_ids, V).float()
+    p, q = target_probs[rows, draft_ids].double(), q_rows[rows, draft_ids].double()
     w, weights = 1.0, []
     for j in range(K):  # w_j, kept below 1 as vLLM keeps log w <= 0
         w = min(1.0, w * float(p[j] / q[j])) if q[j] > 0 else 0.0
         weights.append(w)
     h = []
-    for j in range(K):
-        if j < K - 1:
-            m = float((weights[j] * target_probs[j + 1].double() - q_rows[j + 1].double()).clamp_min(0).sum())
-            denom = m + 1.0 - weights[j]
-            h.append(m / denom if denom > 0 else 1.0)
-        else:
-            h.append(weights[j])
-    u = torch.rand(K, generator=generator, device=target_probs.device).tolist()
-    n = max([j + 1 for j in range(K) if u[j] <= h[j]], default=0)
-    return n, _correction(target_probs, q_rows, n, generator, scale=weights[n - 1] if n else 1.0)
+    for j in range(K - 1):
+        m = float(residual(target_probs[j + 1].double(), q_rows[j + 1].double(), weights[j]).sum())
+        h.append(m / (m + 1.0 - weights[j]) if m + 1.0 - weights[j] > 0 else 1.0)
+    h += weights[-1:]  # h_K = w_K
+    u = torch.rand(K, generator=generator, device=target_probs.device)
+    passed = u.double().cpu() <= torch.tensor(h, dtype=torch.float64)  # (K,)
+    # n is the LAST position that passed: K less the run of failures at the end, read backwards.
+    n = K - int(accepted_prefix_length(~passed.flip(-1)))
+    return n, _next_token(draft_ids, draft_probs, target_probs, n, generator, scale=weights[n - 1] if n else 1.0)
 
 
 def fly_accept(draft_ids: torch.Tensor, draft_probs: torch.Tensor | None, target_probs: torch.Tensor,
@@ -252,11 +262,10 @@ def fly_accept(draft_ids: torch.Tensor, draft_probs: torch.Tensor | None, target
     threshold, j + window < K, the next ``window`` drafts are all natively accepted, and d_j
     is possible for the target: greedy, its raw logit ``target_logits`` (K+1, V) is above -inf
     (fly.py:82-87; a logit whose float32 softmax underflows to 0 still counts); sampling,
-    p_j(d_j) > 0 and q_j(d_j) > 0 (fly.py:149-156).
-    The prefix is then kept up to the first rejection that stands, and the next token is
-    what standard verification gives there (greedy: the argmax; sampling: the residual).
+    p_j(d_j) > 0 and q_j(d_j) > 0 (fly.py:149-156). The prefix is kept up to the first rejection that
+    stands; the next token is standard verification's there (greedy: the argmax; sampling: the residual).
     """
-    K, V = draft_ids.shape[0], target_probs.shape[-1]
+    K = draft_ids.shape[0]
     rows = torch.arange(K, device=draft_ids.device)
     p = target_probs[rows, draft_ids]
     if target_argmax is not None:
@@ -271,12 +280,10 @@ def fly_accept(draft_ids: torch.Tensor, draft_probs: torch.Tensor | None, target
     later_ok = [bool(native[j + 1:j + 1 + window].all()) for j in range(K)]
     deferred = [(not native[j]) and bool(possible[j]) and j + window < K and float(entropy[j]) >= threshold
                 and later_ok[j] for j in range(K)]
-    kept = (native | torch.tensor(deferred, dtype=torch.bool, device=native.device)).int().cumprod(0)
-    n = int(kept.sum())
+    n = int(accepted_prefix_length(native | torch.tensor(deferred, dtype=torch.bool, device=native.device)))
     if target_argmax is not None:
         return n, int(target_argmax[n])
-    q_rows = draft_probs if draft_probs is not None else _one_hot_rows(draft_ids, V)
-    return n, _correction(target_probs, q_rows, n, generator)
+    return n, _next_token(draft_ids, draft_probs, target_probs, n, generator)
 
 
 def synthetic_accept(draft_ids: torch.Tensor, draft_probs: torch.Tensor | None, target_probs: torch.Tensor,
@@ -289,14 +296,13 @@ def synthetic_accept(draft_ids: torch.Tensor, draft_probs: torch.Tensor | None, 
     gives there (greedy: the target's argmax; sampling: the residual (p - q)+), the bonus
     from p_K when every draft was kept (v1/sample/rejection_sampler.py:824-836, 934-956).
     """
-    K, V = draft_ids.shape[0], target_probs.shape[-1]
+    K = draft_ids.shape[0]
     rates = torch.tensor(list(conditional_rates)[:K], dtype=torch.float32, device=target_probs.device)
     u = torch.rand(K, generator=generator, device=target_probs.device)
-    n = int((u < rates).int().cumprod(0).sum())
+    n = int(accepted_prefix_length(u < rates))  # a NaN rate (no draft gets there) is never passed
     if target_argmax is not None:
         return n, int(target_argmax[n])
-    q_rows = draft_probs if draft_probs is not None else _one_hot_rows(draft_ids, V)
-    return n, _correction(target_probs, q_rows, n, generator)
+    return n, _next_token(draft_ids, draft_probs, target_probs, n, generator)
 
 
 # ---------------------------------------------------------------------------
@@ -310,11 +316,8 @@ def _number(x) -> bool:
 
 @dataclass(frozen=True)
 class Verifier:
-    """One verification rule with its settings; called once per step by the loop.
-
-    Build it with ``make_verifier`` (which checks the settings as vLLM's SpeculativeConfig
-    does). ``conditional_rates`` are what synthetic acceptance draws against.
-    """
+    """One verification rule with its settings, called once per step: build it with ``make_verifier``
+    (which checks the settings as vLLM's SpeculativeConfig does). ``conditional_rates``: synthetic's draws."""
 
     method: str = "standard"
     conditional_rates: tuple[float, ...] | None = None
@@ -330,9 +333,10 @@ class Verifier:
                  to_probs, *, greedy: bool, generator: torch.Generator | None = None) -> tuple[int, int]:
         """Drafts (K,), their q (K, V) or None, the target's logits (K+1, V) -> (drafts kept, next token).
 
-        Greedy decoding: "standard" and "block" are the same rule, the longest prefix that
-        matches the target's argmax (vLLM's greedy branch of both); FLy's entropy is then
-        taken from the unscaled softmax, as vLLM leaves greedy requests' logits unscaled.
+        "standard" is the eager loop's rule exactly: greedy_accept on the argmax when greedy, else
+        rejection_sample on to_probs(logits). Greedy decoding: "standard" and "block" are the same
+        rule, the longest prefix that matches the target's argmax (vLLM's greedy branch of both);
+        FLy's entropy is then taken from the unscaled softmax, as vLLM leaves greedy logits unscaled.
         """
         if greedy:
             argmax = target_logits.argmax(-1)

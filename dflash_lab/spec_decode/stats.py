@@ -69,13 +69,18 @@ class SpecDecodeStats:
         return len(self.num_accepted_tokens_per_pos)
 
     @property
+    def mean_accepted_tokens(self) -> float:
+        """accepted / drafts: drafted tokens kept per verification (τ without the bonus token)."""
+        return self.num_accepted_tokens / self.num_drafts if self.num_drafts else math.nan
+
+    @property
     def mean_acceptance_length(self) -> float:
-        """1 + accepted / drafts: tokens per verification, the bonus token included."""
-        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else math.nan
+        """τ = 1 + accepted / drafts: tokens per verification, the bonus token included."""
+        return 1 + self.mean_accepted_tokens
 
     @property
     def per_position_acceptance_rate(self) -> list[float]:
-        """Fraction of drafts whose first i+1 tokens were all accepted."""
+        """Fraction of drafts whose first i+1 tokens were all accepted (0.0 everywhere when there were no drafts)."""
         return [c / self.num_drafts if self.num_drafts else 0.0 for c in self.num_accepted_tokens_per_pos]
 
     @property
@@ -84,10 +89,14 @@ class SpecDecodeStats:
 
     # --- derived views for the lab -------------------------------------------
     @property
+    def num_drafts_reaching_pos(self) -> list[int]:
+        """Drafts that got to position i: every draft at i = 0, then those accepted through i-1."""
+        return [self.num_drafts] + self.num_accepted_tokens_per_pos[:-1]
+
+    @property
     def conditional_acceptance_rate(self) -> list[float]:
-        """P(position i accepted | positions < i accepted): per_pos[i] / per_pos[i-1]."""
-        prev = [self.num_drafts] + self.num_accepted_tokens_per_pos[:-1]
-        return [c / p if p else math.nan for c, p in zip(self.num_accepted_tokens_per_pos, prev)]
+        """P(position i accepted | positions < i accepted): per_pos[i] / per_pos[i-1]; NaN where no draft got to i."""
+        return conditional_acceptance_rates(self.num_accepted_tokens_per_pos, self.num_drafts)
 
     def acceptance_length_counts(self) -> list[int]:
         """counts[a-1] = drafts with acceptance length a (1 .. K+1).
@@ -98,6 +107,11 @@ class SpecDecodeStats:
         per_pos = self.num_accepted_tokens_per_pos
         at_least = [self.num_drafts] + per_pos + [0]  # drafts with >= n accepted, n = 0 .. K+1
         return [at_least[n] - at_least[n + 1] for n in range(len(per_pos) + 1)]
+
+    @property
+    def acceptance_length_shares(self) -> list[float]:
+        """The acceptance-length histogram as shares of the drafts (z-lab's view); NaN when there were no drafts."""
+        return [c / self.num_drafts if self.num_drafts else math.nan for c in self.acceptance_length_counts()]
 
     @property
     def target_forwards_per_token(self) -> float:
@@ -118,7 +132,8 @@ class SpecDecodeStats:
             num_target_forwards=self.num_target_forwards + other.num_target_forwards,
             drafter_time_s=self.drafter_time_s + other.drafter_time_s,
             target_time_s=self.target_time_s + other.target_time_s,
-            draft_sample_method=self.draft_sample_method if self.draft_sample_method == other.draft_sample_method else None,
+            draft_sample_method=(self.draft_sample_method if self.draft_sample_method == other.draft_sample_method
+                                 else None),
         )
 
     def __radd__(self, other):
@@ -136,8 +151,10 @@ class SpecDecodeStats:
             num_generated_tokens=self.num_generated_tokens - other.num_generated_tokens,
             num_target_forwards=self.num_target_forwards - other.num_target_forwards,
         )
-        if min([diff.num_drafts, diff.num_draft_tokens, diff.num_accepted_tokens, *diff.num_accepted_tokens_per_pos]) < 0:
-            raise ValueError("counters went down: subtract the EARLIER stats from the later ones (did the server restart?)")
+        if min([diff.num_drafts, diff.num_draft_tokens, diff.num_accepted_tokens,
+                *diff.num_accepted_tokens_per_pos]) < 0:
+            raise ValueError("counters went down: subtract the EARLIER stats from the later ones "
+                             "(did the server restart?)")
         return diff
 
     def summary(self, digits: int = 3) -> dict:
@@ -194,6 +211,25 @@ class SpecDecodeStats:
         if path is not None:
             Path(path).write_text(buf.getvalue())
         return buf.getvalue()
+
+
+def conditional_acceptance_rates(accepted_through, num_drafts=1.0) -> list[float]:
+    """c_i = a_i / a_{i-1} with a_{-1} = num_drafts: the one definition of the conditional rate.
+
+    ``accepted_through[i]`` counts the drafts accepted through position i (vLLM's per-position
+    counter), or is their share of the drafts with ``num_drafts`` = 1.0 (a synthetic
+    schedule's unconditional rates r_i); the ratio is the same either way.
+    Where no draft got to position i (a_{i-1} = 0) the rate is 0 / 0: NaN, on measured
+    counters and synthetic schedules alike, and the figures draw it as a gap. vLLM 0.33 never
+    reports a conditional rate: its log prints the unconditional a_i / drafts, 0.000 at such a
+    position (``SpecDecodingLogging.log``, v1/spec_decode/metrics.py). Its one conditional rate,
+    the synthetic sampler's (v1/spec_decode/utils.py ``unconditional_to_conditional_rates``),
+    writes 0.0 there, but its loop stops at the rejection before and never reads it
+    (v1/sample/rejection_sampler.py, ``if not rejected``); the lab's draw ``u < NaN`` is False,
+    the same decision.
+    """
+    a = [float(x) for x in accepted_through]
+    return [c / prev if prev > 0 else math.nan for c, prev in zip(a, [float(num_drafts)] + a[:-1])]
 
 
 def _per_pos(a: SpecDecodeStats, b: SpecDecodeStats, sign: int) -> list[int]:

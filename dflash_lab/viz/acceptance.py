@@ -20,6 +20,11 @@ CONDITIONAL_COLOR = "#333333"  # the conditional-rate line: no method's colour
 FEW_DRAFTS = 20  # a conditional rate over fewer drafts than this is drawn faded
 
 
+def _gaps(values) -> list:
+    """A rate SpecDecodeStats leaves undefined (NaN) becomes a gap in the figure, never a point at 0."""
+    return [None if v != v else v for v in values]
+
+
 def per_position_acceptance_figure(stats, *, title: str | None = None, color: str | None = None) -> go.Figure:
     """Bars: vLLM's per-position acceptance rate (drafts whose first i tokens were
     all accepted); line: the conditional rate P(position i accepted | i-1 accepted).
@@ -29,8 +34,8 @@ def per_position_acceptance_figure(stats, *, title: str | None = None, color: st
     """
     rates = stats.per_position_acceptance_rate
     positions = list(range(1, len(rates) + 1))
-    conditional = [None if r != r else r for r in stats.conditional_acceptance_rate]  # NaN -> gap
-    reached = [stats.num_drafts] + stats.num_accepted_tokens_per_pos[:-1]  # drafts accepted through i-1
+    conditional = _gaps(stats.conditional_acceptance_rate)  # no draft got to i: no point
+    reached = stats.num_drafts_reaching_pos  # the conditional rate's denominator
     opacity = [1.0 if m >= FEW_DRAFTS else 0.25 + 0.75 * m / FEW_DRAFTS for m in reached]
     fig = go.Figure([
         go.Bar(x=positions, y=rates, name="accepted through position i (vLLM's counter)",
@@ -59,8 +64,7 @@ def acceptance_length_histogram(stats, *, title: str | None = None) -> go.Figure
 
     Computed from the per-position counters alone, so it works for vLLM /metrics too.
     """
-    counts = stats.acceptance_length_counts()
-    share = [c / stats.num_drafts if stats.num_drafts else 0.0 for c in counts]
+    counts, share = stats.acceptance_length_counts(), _gaps(stats.acceptance_length_shares)
     lengths = list(range(1, len(counts) + 1))
     fig = go.Figure(go.Bar(x=lengths, y=share, marker_color=PALETTE["green"], customdata=counts,
                            hovertemplate="length %{x}: %{y:.3f} (%{customdata} drafts)<extra></extra>"))
@@ -112,10 +116,10 @@ def compare_acceptance_figure(stats_by_method: dict, *, title: str | None = None
         color, name = method_color(method, i), f"{method} ({_tau(stats)})"
         rates = stats.per_position_acceptance_rate
         fig.add_trace(go.Bar(x=list(range(1, len(rates) + 1)), y=rates, name=name, legendgroup=method,
-                             marker_color=color, hovertemplate="position %{x}: %{y:.3f}<extra>" + method + "</extra>"), 1, 1)
-        counts = stats.acceptance_length_counts()
-        share = [c / stats.num_drafts if stats.num_drafts else 0.0 for c in counts]
-        fig.add_trace(go.Bar(x=list(range(1, len(counts) + 1)), y=share, name=name, legendgroup=method,
+                             marker_color=color, hovertemplate="position %{x}: %{y:.3f}<extra>" + method + "</extra>"),
+                      1, 1)
+        share = _gaps(stats.acceptance_length_shares)
+        fig.add_trace(go.Bar(x=list(range(1, len(share) + 1)), y=share, name=name, legendgroup=method,
                              marker_color=color, showlegend=False,
                              hovertemplate="length %{x}: %{y:.3f}<extra>" + method + "</extra>"), 1, 2)
     fig.update_layout(barmode="group", legend=dict(orientation="h", y=-0.25))
@@ -172,7 +176,8 @@ def acceptance_tokens_html(result, tokenizer, *, prompt_tail: int = 40) -> str:
                 hover = "the target's token (bonus)" if step.draft_ids else "the target's token (no draft)"
             parts.append(span(tok, "bonus", hover))
     legend = " · ".join(f'<span style="color:{c}">■ {k}</span>' for k, c in
-                        (("drafted, accepted", TOKEN_COLORS["accepted"]), ("drafted, rejected", TOKEN_COLORS["rejected"]),
+                        (("drafted, accepted", TOKEN_COLORS["accepted"]),
+                         ("drafted, rejected", TOKEN_COLORS["rejected"]),
                          ("target's token (bonus / correction)", TOKEN_COLORS["bonus"])))
     body = "".join(parts)
     return (f'<div style="font-size:12px;margin-bottom:4px">{legend}</div>'
@@ -255,11 +260,11 @@ def engine_vs_lab_figure(engine_stats, lab_stats, *, engine_label: str = "vLLM s
     fig = go.Figure()
     for label, stats, color in ((engine_label, engine_stats, method_color("vLLM server")),
                                 (lab_label, lab_stats, method_color("DFlash"))):
-        counts = stats.num_accepted_tokens_per_pos + [0] * (n - stats.num_speculative_tokens)
+        pad = [0] * (n - stats.num_speculative_tokens)
+        counts = stats.num_accepted_tokens_per_pos + pad
         fig.add_trace(go.Bar(
             x=positions, y=counts, name=f"{label}: {stats.num_drafts} drafts, {_tau(stats)}", marker_color=color,
-            text=counts, textposition="outside",
-            customdata=[c / stats.num_drafts if stats.num_drafts else 0 for c in counts],
+            text=counts, textposition="outside", customdata=stats.per_position_acceptance_rate + pad,
             hovertemplate="position %{x}: %{y} drafts accepted through it (rate %{customdata:.3f})<extra>"
                           + label + "</extra>"))
     same = (engine_stats.num_drafts, engine_stats.num_draft_tokens, engine_stats.num_accepted_tokens,
