@@ -253,7 +253,7 @@ def test_the_schedule_ends_at_its_floor_so_one_schedule_can_span_two_sittings():
 def test_a_floor_outside_zero_to_one_is_refused_before_anything_loads():
     from dflash_lab.train.cli import main
 
-    with pytest.raises(ValueError, match=r"--lr-floor is a fraction of --lr in \[0, 1\], got 1.5"):
+    with pytest.raises(ValueError, match=r"DrafterTrainConfig.lr_floor must be in \[0, 1\] \(a fraction of lr\), got 1.5"):
         main(["drafter", "--lr-floor", "1.5", "--target", "/nonexistent"])
 
 
@@ -298,18 +298,111 @@ def test_attention_options_vllm_cannot_serve_are_refused(kw, error):
         train.make_drafter_config(micro_target().config, train.DrafterTrainConfig(**kw))
 
 
-def test_cli_attention_preset_and_overrides():
-    from dflash_lab.train.cli import build_parser, resolve_attention
+def _cli_config(*argv):
+    from dflash_lab.train.cli import build_parser, drafter_train_config
 
+    return drafter_train_config(build_parser().parse_args(["drafter", *argv]))
+
+
+def test_cli_attention_preset_and_overrides():
     def parsed(*argv):
-        args = build_parser().parse_args(["drafter", *argv])
-        resolve_attention(args)
-        return args.layer_type, args.sliding_window, args.causal
+        cfg = _cli_config(*argv)
+        return cfg.layer_type, cfg.sliding_window, cfg.causal
 
     assert parsed() == ("full_attention", None, None)
     assert parsed("--attention", "poolside") == ("sliding_attention", 64, True)
     assert parsed("--attention", "poolside", "--sliding-window", "32", "--causal", "auto") == ("sliding_attention", 32, None)
     assert parsed("--attention", "paper", "--causal", "true") == ("full_attention", None, True)
+    assert parsed("--attention", "poolside", "--layer-type", "full_attention") == ("full_attention", None, True)
+    with pytest.raises(ValueError, match="needs `sliding_window`"):
+        parsed("--layer-type", "sliding_attention")
+
+
+@pytest.mark.parametrize("argv, options", [
+    ((), {}),
+    (("--attention", "poolside", "--layers", "2", "--steps", "50", "--warmup", "5"),
+     dict(attention="poolside", num_layers=2, steps=50, warmup=5)),
+    (("--attention", "poolside", "--layer-type", "full_attention", "--causal", "auto"),
+     dict(attention="poolside", layer_type="full_attention", causal=None)),
+    (("--layer-type", "sliding_attention", "--sliding-window", "16", "--block-size", "8", "--seed", "3"),
+     dict(layer_type="sliding_attention", sliding_window=16, block_size=8, seed=3)),
+])
+def test_the_cli_and_a_notebook_run_merge_presets_in_one_place_with_the_same_defaults(argv, options):
+    """DrafterTrainConfig.from_preset is the one merge: the command line and train.live build the same config from
+    the same choices, and with no choice both are the dataclass's defaults (3 layers, block 16, warm-up 200)."""
+    from dflash_lab.train.live import drafter_train_config
+
+    options = dict(options)
+    steps, attention = options.pop("steps", train.DrafterTrainConfig.steps), options.pop("attention", "paper")
+    live = drafter_train_config(steps=steps, attention=attention, **options)
+    assert _cli_config(*argv) == live == train.DrafterTrainConfig.from_preset(attention, steps=steps, **options)
+    if not argv:
+        assert live == train.DrafterTrainConfig() and (live.num_layers, live.block_size, live.warmup) == (3, 16, 200)
+
+
+def test_the_paper_preset_is_the_dataclass_default_and_presets_are_refused_by_name():
+    assert train.DrafterTrainConfig.from_preset("paper") == train.DrafterTrainConfig()
+    assert train.DrafterTrainConfig.from_preset("poolside").sliding_window == 64
+    with pytest.raises(ValueError, match="attention preset 'eagle' is unknown"):
+        train.DrafterTrainConfig.from_preset("eagle")
+    with pytest.raises(TypeError, match=r"has no field \['layers'\]"):
+        train.DrafterTrainConfig.from_preset("paper", layers=3)
+
+
+BAD_TRAIN_FIELDS = [
+    ("num_layers", 0, ValueError, "num_layers must be >= 1"), ("num_layers", True, TypeError, "must be an integer"),
+    ("intermediate_size", 64.0, TypeError, "intermediate_size must be an integer"),
+    ("layer_type", "linear_attention", ValueError, "`layer_type` must be one of"),
+    ("sliding_window", 64, ValueError, "only applies to sliding_attention"),
+    ("causal", "yes", TypeError, "`causal` must be True, False or None"),
+    ("num_aux_layers", 0, ValueError, "num_aux_layers must be >= 1"),
+    ("block_size", 1, ValueError, "block_size must be >= 2"),
+    ("anchors_per_seq", 0, ValueError, "anchors_per_seq must be >= 1"),
+    ("batch_size", "8", TypeError, "batch_size must be an integer"),
+    ("steps", 0, ValueError, "steps must be >= 1"), ("warmup", -1, ValueError, "warmup must be >= 0"),
+    ("lr", 0.0, ValueError, r"lr must be > 0"), ("lr", float("nan"), TypeError, "lr must be a finite number"),
+    ("lr_floor", -0.1, ValueError, r"lr_floor must be in \[0, 1\]"),
+    ("weight_decay", -0.01, ValueError, "weight_decay must be >= 0"),
+    ("grad_clip", 0, ValueError, "grad_clip must be > 0"), ("gamma", None, TypeError, "gamma must be a finite number"),
+    ("short_block_share", 1.5, ValueError, r"short_block_share must be in \[0, 1\]"),
+    ("cache_target_features", 1, TypeError, "cache_target_features must be True or False"),
+    ("train_only", "fc", TypeError, "train_only must be a tuple"),
+    ("log_every", 0, ValueError, "log_every must be >= 1"), ("seed", -1, ValueError, "seed must be >= 0"),
+]
+
+
+@pytest.mark.parametrize("field, value, error, message", BAD_TRAIN_FIELDS, ids=[f"{f}={v!r}" for f, v, *_ in BAD_TRAIN_FIELDS])
+def test_every_training_config_field_is_checked_and_named(field, value, error, message):
+    with pytest.raises(error, match=message):
+        train.DrafterTrainConfig(**{field: value})
+
+
+def test_the_bad_field_cases_cover_every_field_and_mixed_ones_are_checked_together():
+    from dataclasses import fields
+
+    assert {f for f, *_ in BAD_TRAIN_FIELDS} == {f.name for f in fields(train.DrafterTrainConfig)}
+    with pytest.raises(ValueError, match="short_block_share 0.3 needs block_size >= 3"):
+        train.DrafterTrainConfig(block_size=2, short_block_share=0.3)
+    assert train.DrafterTrainConfig(train_only=["fc"]).train_only == ("fc",)
+
+
+def test_the_attention_options_are_checked_once_per_config(monkeypatch):
+    from dflash_lab.train import drafter_config
+
+    calls = []
+    real = drafter_config.check_attention
+    monkeypatch.setattr(drafter_config, "check_attention", lambda *a: calls.append(a) or real(*a))
+    cfg = _cli_config("--attention", "poolside", "--layers", "1")
+    train.make_drafter_config(micro_target().config, cfg)
+    assert calls == [("sliding_attention", 64, True)]
+
+
+def test_the_default_depth_is_the_shipped_drafters():
+    from dflash_lab.assets import DRAFTERS
+
+    depths = {json.loads((path / "config.json").read_text())["num_hidden_layers"] for path in DRAFTERS.values()
+              if path.is_dir()}
+    assert depths == {train.DrafterTrainConfig.num_layers}
 
 
 def test_a_causal_drafter_drafts_a_short_block_exactly_like_the_front_of_a_long_one():
@@ -383,7 +476,7 @@ def test_thirty_seconds_of_cpu_training_from_scratch_beat_the_untrained_drafter(
     assert stats["sequences"] >= 32
     prompts = [tokenizer.encode(p["text"], add_special_tokens=False)[-48:] for p in heldout_prompts()[:6]]
     probe = train.AcceptanceProbe(target, prompts, max_new_tokens=24, max_block_size=4)
-    cfg = drafter_train_config(target.config, steps=120, block_size=4, num_layers=1, attention=attention,
+    cfg = drafter_train_config(steps=120, warmup=12, block_size=4, num_layers=1, attention=attention,
                                intermediate_size=256, batch_size=8, anchors_per_seq=8, lr=5e-3, gamma=1.0,
                                log_every=20, cache_target_features=True)
     run = train_live(target, data, cfg, probe, eval_every=60, show_progress=False)

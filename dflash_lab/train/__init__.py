@@ -16,8 +16,10 @@ One file per stage, in the order the recipe runs them:
     distill           stage 3a: self-distillation data (the target's greedy continuations)
     objective         the DFlash objective: anchors, blocks, soft labels, position-weighted
                       loss, short-block masks, the target-feature cache
-    drafter_training  stage 3b: the drafter's training loop, its shape (depth, layer type,
-                      window, causality: ATTENTION_PRESETS "paper" and "poolside") and commands
+    drafter_config    what a drafter run trains: DrafterTrainConfig (shape, schedule, every field
+                      checked), the attention recipes ATTENTION_PRESETS "paper" and "poolside" and
+                      ``from_preset``, the one place a recipe meets the caller's options
+    drafter_training  stage 3b: the drafter's training loop, and its commands
     evaluate          acceptance on held-out prompts, counted by SpecDecodeStats.observe_draft;
                       AcceptanceProbe measures it cheaply while a drafter trains
     live              a notebook-sized run: small fresh data, train_drafter, acceptance as it learns
@@ -52,8 +54,8 @@ The time budgets only cap the step counts (the logs record what ran); pass
 from .cli import main
 from .common import LOG_NAME, freeze, greedy_generate, write_log
 from .distill import DistillConfig, build_distill_data, is_degenerate, load_distill_data, save_distill_data
-from .drafter_training import (ATTENTION_PRESETS, DrafterTrainConfig, check_attention, make_drafter_config,
-                               reshape_drafter, train_drafter)
+from .drafter_config import ATTENTION_PRESETS, DrafterTrainConfig, check_attention, make_drafter_config
+from .drafter_training import reshape_drafter, train_drafter
 from .evaluate import AcceptanceProbe, evaluate_acceptance, load_pair_for_eval, replay_greedy_decoding
 from .objective import (TargetFeatureCache, block_inputs, dflash_loss, draft_logits_for, gather_positions,
                         label_positions, position_weights, sample_anchors, short_block_mask, target_soft_labels)

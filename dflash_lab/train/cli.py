@@ -10,12 +10,14 @@ from ..config import LAYER_TYPES
 from ..runtime import DEFAULT_DRAFTER, DEFAULT_TARGET, HELDOUT_PROMPTS, drafter_path, target_path
 from . import code_corpus
 from .distill import DistillConfig
-from .drafter_training import ATTENTION_PRESETS, DrafterTrainConfig, run_distill, run_drafter
+from .drafter_config import ATTENTION_PRESETS, DEFAULT_PRESET, DrafterTrainConfig
+from .drafter_training import run_distill, run_drafter
 from .evaluate import run_evaluate
 from .target_lm import TargetTrainConfig, run_target
 from .tokenizer import run_tokenizer
 
 DESCRIPTION = "Train the lab's tiny Laguna code model and its DFlash drafter."
+CAUSAL_CHOICES = {"auto": None, "true": True, "false": False}  # --causal: auto = vLLM's rule by layer type
 
 
 def add_common_options(sp) -> None:
@@ -74,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--layer-type", choices=LAYER_TYPES, default=None,
                     help=f"drafter layer type (default {DrafterTrainConfig.layer_type})")
     sp.add_argument("--sliding-window", type=int, default=None, help="sliding_attention layers: the window")
-    sp.add_argument("--causal", choices=("auto", "true", "false"), default=None,
+    sp.add_argument("--causal", choices=tuple(CAUSAL_CHOICES), default=None,
                     help="causal inside the block: auto = vLLM's rule (sliding layers causal); "
                          "true/false are written as dflash_config.causal")
     sp.add_argument("--block-size", type=int, default=DrafterTrainConfig.block_size)
@@ -117,20 +119,23 @@ def add_distill_options(sp) -> None:
                          "(streams: train, distill and their *_stdlib parts; default distill=0.5,train=0.5)")
 
 
-def resolve_attention(args) -> None:
-    """--attention's preset, then --layer-type / --sliding-window / --causal on top of it."""
-    if getattr(args, "command", None) != "drafter":
-        return
-    preset = ATTENTION_PRESETS.get(args.attention) or {"layer_type": DrafterTrainConfig.layer_type,
-                                                       "sliding_window": None, "causal": None}
-    args.layer_type = args.layer_type or preset["layer_type"]
-    if args.sliding_window is None and args.layer_type == preset["layer_type"]:
-        args.sliding_window = preset["sliding_window"]
-    args.causal = preset["causal"] if args.causal is None else {"auto": None, "true": True, "false": False}[args.causal]
+def drafter_train_config(args) -> DrafterTrainConfig:
+    """The drafter command's DrafterTrainConfig: --attention's preset with the options given on top
+    (``DrafterTrainConfig.from_preset``, the one place they are merged), every field checked."""
+    given = {"num_layers": args.layers, "intermediate_size": args.intermediate_size, "layer_type": args.layer_type,
+             "sliding_window": args.sliding_window}
+    overrides = {name: value for name, value in given.items() if value is not None}
+    if args.causal is not None:
+        overrides["causal"] = CAUSAL_CHOICES[args.causal]
+    return DrafterTrainConfig.from_preset(
+        args.attention or DEFAULT_PRESET, **overrides, block_size=args.block_size, steps=args.steps,
+        batch_size=args.batch_size, lr=args.lr, warmup=args.warmup, lr_floor=args.lr_floor,
+        short_block_share=args.short_block_share, seed=args.seed)
 
 
 def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
-    resolve_attention(args)
+    if args.command == "drafter":
+        args.train_config = drafter_train_config(args)  # a bad option fails here, before any data is generated
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
     args.func(args)

@@ -2,14 +2,15 @@
 
 The loop samples a prefix-length group, a batch of sequences and anchors in
 their continuation window, runs the frozen target once for aux hidden states
-and soft labels, and the drafter once for every block (``objective.py``).
+and soft labels, and the drafter once for every block (``objective.py``). What a run
+trains, and how, is its ``DrafterTrainConfig`` (``drafter_config.py``).
 """
 
 from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import numpy as np
@@ -17,91 +18,17 @@ import torch
 
 from .. import corpus
 from ..checkpoint import load_drafter, save_drafter
-from ..config import LAYER_TYPES, DFlashDrafterConfig
 from ..drafter import DFlashLagunaDrafter
 from ..runtime import load_tokenizer, resolve_device, seed_everything, synchronized_time
-from ..target import load_target, target_layer_ids_spread
+from ..target import load_target
 from .common import (LOG_NAME, PACE_FROM, PACE_TO, REFIT_EVERY, Clock, ensure_experts_implementation, fit_steps,
                      freeze, lr_at, progress, run_info, write_log)
 from .distill import DistillConfig, build_distill_data, load_distill_data, load_distill_stats, save_distill_data
+from .drafter_config import DrafterTrainConfig, make_drafter_config
 from .evaluate import evaluate_acceptance, load_pair_for_eval, print_acceptance
 from .objective import (TargetFeatureCache, draft_logits_for, dflash_loss, position_weights, sample_anchors,
                         sample_block_lengths, short_block_weights, target_soft_labels)
 from .target_lm import corpus_streams
-from .tokenizer import MASK_ID
-
-
-# Two attention recipes, as published: the DFlash paper's drafters are
-# full attention and non-causal inside the block; Poolside's (Laguna-*-DFlash) are sliding-window
-# layers, which vLLM makes causal inside the block.
-ATTENTION_PRESETS = {
-    "paper": {"layer_type": "full_attention", "sliding_window": None, "causal": None},
-    "poolside": {"layer_type": "sliding_attention", "sliding_window": 64, "causal": True},
-}
-
-
-@dataclass
-class DrafterTrainConfig:
-    num_layers: int = 3  # deeper drafts further; the shipped drafters have 4 (6.8 MB each in bf16 at hidden 256)
-    intermediate_size: int = 768
-    layer_type: str = "full_attention"  # or "sliding_attention" (Poolside's drafters); one type for every layer
-    sliding_window: int | None = None  # sliding layers only: keys a query sees (vLLM's window), e.g. 64
-    causal: bool | None = None  # None: vLLM's rule (sliding layers causal, full ones not); True/False: written
-    # into the config as dflash_config.causal, which vLLM reads first
-    num_aux_layers: int = 4  # target layers the drafter reads, spread over the target's depth
-    block_size: int = 16
-    anchors_per_seq: int = 32
-    batch_size: int = 128
-    steps: int = 4000
-    lr: float = 2e-3
-    warmup: int = 200
-    lr_floor: float = 0.05  # the cosine ends at lr_floor * lr; a sitting that another one continues ends higher
-    weight_decay: float = 0.01
-    grad_clip: float = 1.0
-    gamma: float = 7.0  # position-weight decay (the DFlash paper's value for block 16)
-    short_block_share: float = 0.0  # share of blocks cut to a random length 2..bs-1, so smaller blocks work too
-    cache_target_features: bool = False  # run the frozen target once per sequence, not per step (small data only)
-    train_only: tuple = ()  # name prefixes of the only parameters to train (e.g. ("fc",)); () trains every one
-    log_every: int = 20
-    seed: int = 0
-
-    def __post_init__(self):  # the CLI builds this first, so a bad value fails before any data generation
-        if not 0.0 <= self.lr_floor <= 1.0:
-            raise ValueError(f"--lr-floor is a fraction of --lr in [0, 1], got {self.lr_floor}")
-
-
-def check_attention(layer_type: str, sliding_window: int | None, causal: bool | None) -> None:
-    """The attention options make a drafter vLLM can serve: a window exactly for sliding layers."""
-    if layer_type not in LAYER_TYPES:
-        raise ValueError(f"`layer_type` must be one of {list(LAYER_TYPES)}, got {layer_type!r}")
-    if layer_type == "sliding_attention":
-        if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
-            raise ValueError(f"a sliding_attention drafter needs `sliding_window` >= 1, got {sliding_window!r}")
-    elif sliding_window is not None:
-        raise ValueError(f"`sliding_window` {sliding_window} only applies to sliding_attention layers, "
-                         f"not {layer_type}")
-    if causal is not None and not isinstance(causal, bool):
-        raise TypeError(f"`causal` must be True, False or None (vLLM's rule by layer type), got {causal!r}")
-
-
-def make_drafter_config(target_config, cfg: DrafterTrainConfig) -> DFlashDrafterConfig:
-    """A drafter for ``target_config``, shaped by cfg: depth, MLP width, layer type, window, causality."""
-    check_attention(cfg.layer_type, cfg.sliding_window, cfg.causal)
-    n = cfg.num_layers
-    return DFlashDrafterConfig(
-        hidden_size=target_config.hidden_size, num_hidden_layers=n,
-        num_attention_heads=target_config.num_attention_heads, num_key_value_heads=target_config.num_key_value_heads,
-        head_dim=target_config.head_dim, intermediate_size=cfg.intermediate_size, layer_types=[cfg.layer_type] * n,
-        draft_vocab_size=target_config.vocab_size,
-        target_layer_ids=target_layer_ids_spread(target_config.num_hidden_layers, cfg.num_aux_layers),
-        mask_token_id=MASK_ID, block_size=cfg.block_size, target_hidden_size=target_config.hidden_size,
-        target_layer_count=target_config.num_hidden_layers, rms_norm_eps=target_config.rms_norm_eps,
-        # Mask tokens differ only by position: rotate every channel, with a short-range theta (the same for
-        # either layer type, so the paper's and Poolside's drafters differ in attention alone).
-        rope_parameters={cfg.layer_type: {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 1.0}},
-        sliding_window=cfg.sliding_window, causal=cfg.causal,
-        max_position_embeddings=target_config.max_position_embeddings,
-    )
 
 
 def reshape_drafter(drafter: DFlashLagunaDrafter, *, num_layers: int | None = None,
@@ -304,14 +231,7 @@ def run_distill(args) -> None:
 def run_drafter(args) -> None:
     """`python -m dflash_lab.train drafter`: self-distillation data, training, the checkpoint, evaluation."""
     clock = Clock(args.time_budget)
-    shape = {k: v for k, v in (('num_layers', args.layers), ('intermediate_size', args.intermediate_size))
-             if v is not None}
-    cfg = DrafterTrainConfig(**shape,
-                             layer_type=args.layer_type, sliding_window=args.sliding_window, causal=args.causal,
-                             block_size=args.block_size, steps=args.steps, batch_size=args.batch_size, lr=args.lr,
-                             warmup=args.warmup, lr_floor=args.lr_floor, short_block_share=args.short_block_share,
-                             seed=args.seed)
-    check_attention(cfg.layer_type, cfg.sliding_window, cfg.causal)  # before minutes of data generation
+    cfg = args.train_config  # cli.drafter_train_config: built and checked before minutes of data generation
     device = resolve_device(args.device, caller="train drafter")
     tokenizer = load_tokenizer(args.target)
     prompts = corpus.load_prompts(args.prompts)

@@ -24,7 +24,8 @@ from .. import corpus
 from ..drafter import DFlashLagunaDrafter
 from ..spec_decode import SpecDecodeStats
 from .distill import DistillConfig, build_distill_data
-from .drafter_training import ATTENTION_PRESETS, DrafterTrainConfig, make_drafter_config, train_drafter
+from .drafter_config import DEFAULT_PRESET, DrafterTrainConfig, make_drafter_config
+from .drafter_training import train_drafter
 from .evaluate import AcceptanceProbe
 from .target_lm import token_stream
 
@@ -99,16 +100,12 @@ class LiveRun:
         return self.evals[-1][1]
 
 
-def drafter_train_config(target_config, *, steps: int, block_size: int = 16, num_layers: int = 2,
-                         attention: str = "paper", **overrides) -> DrafterTrainConfig:
-    """A DrafterTrainConfig for a notebook run; ``attention`` names an ATTENTION_PRESETS entry
-    ("paper": full attention, non-causal; "poolside": sliding window 64, causal)."""
-    if attention not in ATTENTION_PRESETS:
-        raise ValueError(f"`attention` must be one of {sorted(ATTENTION_PRESETS)}, got {attention!r}")
-    kw = dict(num_layers=num_layers, block_size=block_size, steps=steps, warmup=max(1, steps // 10),
-              **ATTENTION_PRESETS[attention])
-    kw.update(overrides)
-    return DrafterTrainConfig(**kw)
+def drafter_train_config(*, steps: int, attention: str = DEFAULT_PRESET, **overrides) -> DrafterTrainConfig:
+    """A DrafterTrainConfig for a notebook run: ``DrafterTrainConfig.from_preset(attention, steps=steps,
+    **overrides)``, the merge and the defaults of ``python -m dflash_lab.train drafter`` (3 layers, block 16,
+    200 warm-up steps: a run of a few hundred steps passes a shorter ``warmup``). ``attention`` names an
+    ATTENTION_PRESETS entry ("paper": full attention, non-causal; "poolside": sliding window 64, causal)."""
+    return DrafterTrainConfig.from_preset(attention, steps=steps, **overrides)
 
 
 def train_live(target, data: dict, cfg: DrafterTrainConfig, probe: AcceptanceProbe, *, eval_every: int,

@@ -49,8 +49,9 @@ def drafter_training_explorer(target, data: dict, probe, *, steps: int = 200, ma
 
     def train(*_):
         label = f"{depth.value} layer{'s' * (depth.value != 1)}, {attention.value}, block {block.value}"
-        cfg = drafter_train_config(target.config, steps=n_steps.value, block_size=block.value, num_layers=depth.value,
-                                   attention=ATTENTION_CHOICES[attention.value], **(train_kwargs or {}))
+        settings = {"warmup": max(1, n_steps.value // 10), **(train_kwargs or {})}  # a short run warms up briefly
+        cfg = drafter_train_config(steps=n_steps.value, block_size=block.value, num_layers=depth.value,
+                                   attention=ATTENTION_CHOICES[attention.value], **settings)
         figure.layout.xaxis.range = figure.layout.xaxis2.range = [0, cfg.steps]
         button.disabled, summary.value = True, f"<i>training {label}…</i>"
         try:

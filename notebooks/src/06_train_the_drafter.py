@@ -272,10 +272,10 @@ print(f"{YARDSTICK}: the target's continuations in {time.perf_counter() - t0:.1f
 
 # %%
 # NBVAL_IGNORE_OUTPUT
-cfg = drafter_train_config(target.config, steps=RUN["steps"], block_size=RUN["block_size"], num_layers=RUN["layers"],
-                           attention="paper", batch_size=RUN["batch_size"], anchors_per_seq=RUN["anchors"],
-                           lr=RUN["lr"], intermediate_size=RUN["intermediate"], gamma=RUN["gamma"], log_every=20,
-                           cache_target_features=True)
+cfg = drafter_train_config(steps=RUN["steps"], warmup=RUN["steps"] // 10, block_size=RUN["block_size"],
+                           num_layers=RUN["layers"], attention="paper", batch_size=RUN["batch_size"],
+                           anchors_per_seq=RUN["anchors"], lr=RUN["lr"], intermediate_size=RUN["intermediate"],
+                           gamma=RUN["gamma"], log_every=20, cache_target_features=True)
 start = with_fresh_reader(shipped_drafter, block_size=RUN["block_size"]) if RUN["warm_start"] else None
 if start is not None:
     cfg.train_only = READER  # the layers stay as the shipped drafter has them; only the reader learns
