@@ -38,6 +38,7 @@ from .config_keys import (  # noqa: F401  (re-exported: the lab's readers of vLL
     target_layer_ids,
     top_partial_rotary,
 )
+from .runtime import is_int
 
 ARCHITECTURE = "DFlashLagunaForCausalLM"
 GATING_CHOICES = (True, False, "per-head", "per-element")
@@ -149,7 +150,7 @@ class DFlashDrafterConfig:
                     raise err(name, "is missing")
                 return default
             v = src[key]
-            if isinstance(v, bool) or not isinstance(v, int):
+            if not is_int(v):
                 raise err(name, f"must be an integer, got {v!r}", TypeError)
             if v < minimum:
                 raise err(name, f"must be >= {minimum}, got {v}")
@@ -194,7 +195,7 @@ class DFlashDrafterConfig:
         if mask_id >= vocab:
             raise err(mask_name, f"({mask_id}) is outside the vocabulary (draft_vocab_size {vocab})")
         block = dflash.get("block_size", d.get("block_size", DEFAULT_BLOCK_SIZE))
-        if isinstance(block, bool) or not isinstance(block, int) or block < 2:
+        if not is_int(block) or block < 2:
             raise err("dflash_config.block_size", f"must be an integer >= 2, got {block!r}")
 
         rope = d.get("rope_parameters")
@@ -215,7 +216,7 @@ class DFlashDrafterConfig:
             raise err(f"{origin}.rope_type", f"{own.get('rope_type')!r} is not supported (only 'default')")
         if "rope_dim" in own:
             rope_dim = own["rope_dim"]
-            if isinstance(rope_dim, bool) or not isinstance(rope_dim, int) or not 0 < rope_dim <= head_dim:
+            if not is_int(rope_dim) or not 0 < rope_dim <= head_dim:
                 raise err(f"{origin}.rope_dim", f"must be an integer in 1..head_dim ({head_dim}), got {rope_dim!r}")
             own = {**own, "partial_rotary_factor": rope_dim / head_dim}
         factor = own.get("partial_rotary_factor", 1.0)

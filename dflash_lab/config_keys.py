@@ -28,6 +28,8 @@ The keys, in the order a layer reads them:
 
 from __future__ import annotations
 
+from .runtime import is_int
+
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
 # Laguna's own defaults (transformers' LagunaConfig): full-attention layers rotate
@@ -177,7 +179,7 @@ def target_layer_ids(d: dict, dflash: dict, err) -> list[int]:
         raise err(IDS_KEY, f"is missing: vLLM's DFlashLagunaModel reads it (laguna_dflash.py:78) even when "
                   f"`{AUX_KEY}` is set")
     ids = dflash["target_layer_ids"]
-    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+    if not isinstance(ids, list) or not all(is_int(i) for i in ids):
         raise err(IDS_KEY, f"must be a list of integers, got {ids!r}", TypeError)
     if not ids:
         raise err(IDS_KEY, "is empty: the drafter needs at least one target layer", ValueError)
@@ -186,7 +188,7 @@ def target_layer_ids(d: dict, dflash: dict, err) -> list[int]:
     aux = d.get(AUX_KEY)
     if not aux:  # None, [] (or another empty value): vLLM falls back to target_layer_ids + 1
         return sorted(ids)
-    if not isinstance(aux, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in aux):
+    if not isinstance(aux, list) or not all(is_int(i) for i in aux):
         raise err(AUX_KEY, f"must be a list of integers, got {aux!r}", TypeError)
     if 0 in aux:
         raise err(AUX_KEY, f"{aux} holds id 0, the embedding output: vLLM 0.33 captures it (laguna.py:656-658), "

@@ -132,7 +132,7 @@ def seed_everything(seed: int = 0, *, deterministic: bool = True) -> torch.Gener
     """
     import numpy as np
 
-    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+    if not is_int(seed) or seed < 0:
         raise ValueError(f"seed must be a non-negative integer, got {seed!r}")
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS determinism; read at CUDA init
     random.seed(seed)

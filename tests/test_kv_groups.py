@@ -1155,3 +1155,11 @@ def test_a_spec_dict_with_no_draft_layer_is_refused_by_v1_as_vllm_would():
     specs = kv_specs.laguna_target_specs(kv_presets.load_config(kv_presets.target_path()))
     assert kv.drafter_layers_per_group(specs, kv.vllm_kv_cache_groups(specs)) == []
     assert kv.v1_refusal(specs, kv.vllm_kv_cache_groups(specs)) == "All drafting layers should belong to the same kv cache group"
+
+
+def test_the_default_kv_page_is_vllms_default_block_size():
+    from vllm.config import CacheConfig
+
+    assert kv_specs.KV_BLOCK_SIZE == CacheConfig.DEFAULT_BLOCK_SIZE
+    specs = kv_specs.laguna_dflash_specs()
+    assert {s.block_size for s in specs.values()} == {CacheConfig.DEFAULT_BLOCK_SIZE}

@@ -42,7 +42,7 @@ PRESETS = {
 }
 
 
-def poolside_pair_specs(name: str, *, dtype: str | torch.dtype = "bfloat16", kv_block_size: int = 16) -> dict[str, Any]:
+def poolside_pair_specs(name: str, *, dtype: str | torch.dtype = "bfloat16", kv_block_size: int = kv_specs.KV_BLOCK_SIZE) -> dict[str, Any]:
     """A real Laguna target and its DFlash drafter (a ``presets.DRAFTER_PRESETS`` name), at full shape.
 
     Only the attention geometry reaches the grouping (layer types, KV heads, head dim,

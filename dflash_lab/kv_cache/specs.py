@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from dflash_lab.runtime import is_int
+
 
 INSTALL_HINT = (
     'the KV-cache grouping needs vLLM 0.33: install it with `pip install "vllm==0.33.*"` '
@@ -36,6 +38,10 @@ INSTALL_HINT = (
 )
 
 LAGUNA_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+# Tokens per KV page unless a caller says otherwise: vLLM 0.33's ``CacheConfig.DEFAULT_BLOCK_SIZE``
+# (``config/cache.py:185``), what an engine uses when no attention backend prefers another.
+KV_BLOCK_SIZE = 16
 
 # A Laguna-shaped target used when no config is given: hybrid attention
 # (sliding, sliding, full) x 2 with small GQA heads, like the lab's tiny target.
@@ -137,7 +143,7 @@ def _get(config: Any, key: str, default: Any = None, *, required: bool = False, 
 
 def positive_int(value: Any, key: str, where: str) -> int:
     """``value`` if it is an integer >= 1; errors name ``key`` and ``where`` it came from."""
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not is_int(value):
         raise TypeError(f"{where}: `{key}` must be an integer, got {value!r}")
     if value < 1:
         raise ValueError(f"{where}: `{key}` must be >= 1, got {value}")
@@ -190,7 +196,7 @@ def laguna_target_specs(
     config: Any,
     *,
     dtype: str | torch.dtype = "bfloat16",
-    kv_block_size: int = 16,  # tokens per KV page
+    kv_block_size: int = KV_BLOCK_SIZE,  # tokens per KV page
     num_kv_heads: int | None = None,
     head_dim: int | None = None,
 ) -> dict[str, Any]:
@@ -221,7 +227,7 @@ def dflash_drafter_specs(
     *,
     target_layer_count: int,
     dtype: str | torch.dtype = "bfloat16",
-    kv_block_size: int = 16,  # tokens per KV page
+    kv_block_size: int = KV_BLOCK_SIZE,  # tokens per KV page
     num_kv_heads: int | None = None,
     head_dim: int | None = None,
 ) -> dict[str, Any]:
@@ -265,7 +271,7 @@ def laguna_dflash_specs(
     *,
     drafter_sliding: bool = False,
     dtype: str | torch.dtype = "bfloat16",
-    kv_block_size: int = 16,  # tokens per KV page
+    kv_block_size: int = KV_BLOCK_SIZE,  # tokens per KV page
 ) -> dict[str, Any]:
     """A Laguna target followed by its DFlash drafter, in vLLM's registration order.
 
@@ -327,7 +333,7 @@ def qwen3_5_hybrid_specs(
     gdn_heads: tuple[int, int] = (16, 32),  # (key heads, value heads) of each Gated DeltaNet layer
     gdn_head_dims: tuple[int, int] = (128, 128),
     dtype: str | torch.dtype = "bfloat16",
-    kv_block_size: int = 16,  # tokens per KV page
+    kv_block_size: int = KV_BLOCK_SIZE,  # tokens per KV page
     align_pages: bool = True,
     mark_draft: bool = False,
 ) -> dict[str, Any]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..config import DEFAULT_BLOCK_SIZE
 from ..drafter import with_window
 from ..spec_decode import generate_on_prompts
 from ..train.evaluate import evaluate_acceptance
@@ -67,7 +68,7 @@ def paired_difference(counts_a, counts_b, *, index: np.ndarray | None = None, le
 
 
 def compare_drafters(target, drafters: dict, tokenizer, prompt_sets: dict, *, block_sizes=(4, 8, 16),
-                     max_new_tokens: int = 64, prompt_lookup_block: int | None = 16, progress=print) -> dict:
+                     max_new_tokens: int = 64, prompt_lookup_block: int | None = DEFAULT_BLOCK_SIZE, progress=print) -> dict:
     """Every drafter on every prompt set: per-prompt counts, tau with intervals, paired differences.
 
     drafters: name -> drafter (the first two are compared); prompt_sets: name -> prompt dicts with ``text``.
@@ -105,7 +106,7 @@ def compare_drafters(target, drafters: dict, tokenizer, prompt_sets: dict, *, bl
     return result
 
 
-def window_study(target, drafters: dict, tokenizer, prompts, *, cut_tokens: int = 64, block_size: int = 16,
+def window_study(target, drafters: dict, tokenizer, prompts, *, cut_tokens: int = 64, block_size: int = DEFAULT_BLOCK_SIZE,
                  max_new_tokens: int = 64, progress=print) -> dict:
     """Where a sliding drafter loses on long prompts: every drafter on the full prompts and on their last
     ``cut_tokens`` tokens, and each sliding drafter again on the full prompts with its window removed.

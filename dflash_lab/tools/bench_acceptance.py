@@ -16,6 +16,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..assets import heldout_prompts, load_default_pair
+from ..config import DEFAULT_BLOCK_SIZE
 from ..runtime import device_name, resolve_device
 from ..spec_decode import SpecDecodeStats, speculative_generate
 from .bench_common import OUT_HELP, pair_out_dir, write_results
@@ -72,7 +73,7 @@ def acceptance_markdown(result: dict) -> str:
 def acceptance(args) -> int:
     """The `acceptance` subcommand."""
     device = resolve_device(args.device, caller="bench acceptance")
-    blocks = [16] if args.quick and not args.block_sizes else (args.block_sizes or [16, 8, 4])
+    blocks = [DEFAULT_BLOCK_SIZE] if args.quick and not args.block_sizes else (args.block_sizes or [16, 8, 4])
     n_prompts = args.prompts or (12 if args.quick else None)
     print(f"acceptance on {device_name(device)}: blocks {blocks}, {n_prompts or 'all'} held-out prompts x "
           f"{args.max_new_tokens} tokens", flush=True)

@@ -17,6 +17,7 @@ import time
 import torch
 
 from ..assets import heldout_prompts, load_default_pair, pair_drafters, pair_fingerprint, second_drafter_missing
+from ..config import DEFAULT_BLOCK_SIZE
 from ..measure.drafters import compare_drafters, markdown, window_markdown, window_study
 from ..runtime import DOCSTRING_PROMPTS, device_name, resolve_device
 from ..train.evaluate import update_training_log
@@ -45,7 +46,7 @@ def drafters(args) -> int:
     device = resolve_device(args.device, caller="bench drafters")
     torch.set_num_threads(args.threads) if args.threads else None
     n = args.prompts or (8 if args.quick else None)
-    blocks = args.block_sizes or ([16] if args.quick else [4, 8, 16])
+    blocks = args.block_sizes or ([DEFAULT_BLOCK_SIZE] if args.quick else [4, 8, 16])
     if second_drafter_missing():  # the comparison needs two drafters of the target in use
         raise SystemExit(f"bench drafters compares two drafters: {second_drafter_missing()}")
     args.out = pair_out_dir(args.out)

@@ -21,6 +21,7 @@ from ..assets import (
     NONREPETITIVE_PROMPTS, docstring_prompts, heldout_prompts, is_shipped_pair, load_pair, nonrepetitive_prompts,
     pair_fingerprint,
 )
+from ..config import DEFAULT_BLOCK_SIZE
 from ..corpus import cut_prompts, save_prompts
 from ..measure.drafters import bootstrap_tau
 from ..measure.repetition import NGRAM, REPETITIVE_AT, continuation_shares, select_non_repetitive, tau_by_repetition
@@ -116,7 +117,7 @@ def repetition(args) -> int:
     device = resolve_device(args.device, caller="bench repetition")
     torch.set_num_threads(args.threads) if args.threads else None
     n = 8 if args.quick else None
-    blocks = [16] if args.quick else [4, 8, 16]
+    blocks = [DEFAULT_BLOCK_SIZE] if args.quick else [4, 8, 16]
     args.out = pair_out_dir(args.out)
     target, drafters, tokenizer = load_pair(device)
     start = time.perf_counter()

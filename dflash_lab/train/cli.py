@@ -6,7 +6,7 @@ import argparse
 import os
 
 from .. import corpus
-from ..config import LAYER_TYPES
+from ..config import DEFAULT_BLOCK_SIZE, LAYER_TYPES
 from ..runtime import DEFAULT_DRAFTER, DEFAULT_TARGET, HELDOUT_PROMPTS, drafter_path, target_path
 from . import code_corpus
 from .distill import DistillConfig
@@ -92,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--init", default=None, help="continue training this drafter checkpoint")
     sp.add_argument("--gen-fraction", type=float, default=0.25, help="share of the time budget for data generation")
     sp.add_argument("--eval-prompts", type=int, default=corpus.NUM_PROMPTS, help="held-out prompts to evaluate on (0: none)")
-    sp.add_argument("--eval-blocks", default="16", help="comma-separated block sizes to evaluate")
+    sp.add_argument("--eval-blocks", default=str(DEFAULT_BLOCK_SIZE), help="comma-separated block sizes to evaluate")
     sp.set_defaults(func=run_drafter)
 
     sp = sub.add_parser("evaluate", help="acceptance of a target/drafter pair on the held-out prompts")
@@ -100,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--target", default=str(target_path()), help="default: $DFLASH_LAB_TARGET, else the shipped one")
     sp.add_argument("--drafter", default=str(drafter_path()), help="default: $DFLASH_LAB_DRAFTER, else the shipped one")
     sp.add_argument("--eval-prompts", type=int, default=corpus.NUM_PROMPTS)
-    sp.add_argument("--eval-blocks", default="16,8,4")
+    sp.add_argument("--eval-blocks", default=f"{DEFAULT_BLOCK_SIZE},8,4")
     sp.add_argument("--update-log", action="store_true", help="write the numbers into the drafter's training log")
     sp.set_defaults(func=run_evaluate)
     return p

@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 
 from .. import corpus
 from ..checkpoint import load_drafter
+from ..config import DEFAULT_BLOCK_SIZE
 from ..runtime import load_tokenizer, resolve_device
 from ..spec_decode.proposers import require_dflash
 from ..spec_decode.sampling import greedy_accept, greedy_accept_batch
@@ -100,7 +101,7 @@ class AcceptanceEval:
                 "per_prompt_drafts_accepted": self.per_prompt_counts()}
 
 
-def evaluate_acceptance(target, drafter, tokenizer, prompts: list[dict], *, block_sizes=(16,),
+def evaluate_acceptance(target, drafter, tokenizer, prompts: list[dict], *, block_sizes=(DEFAULT_BLOCK_SIZE,),
                         max_new_tokens: int = 64, show_progress: bool = False) -> dict[int, AcceptanceEval]:
     """Acceptance of greedy DFlash decoding on held-out prompts, one ``AcceptanceEval`` per block size.
 
@@ -139,7 +140,8 @@ class AcceptanceProbe:
     """
 
     @torch.no_grad()
-    def __init__(self, target, prompts: list, *, max_new_tokens: int = 64, max_block_size: int = 16):
+    def __init__(self, target, prompts: list, *, max_new_tokens: int = 64,
+                 max_block_size: int = DEFAULT_BLOCK_SIZE):
         """prompts: token-id lists (or 1-D tensors); prompts of equal length are continued in one batch."""
         self.target, self.max_new_tokens, self.max_block_size = target, max_new_tokens, max_block_size
         device = next(target.parameters()).device

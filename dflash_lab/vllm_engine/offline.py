@@ -24,6 +24,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from ..spec_decode.metrics import MetricsError, stats_from_prometheus_text
+from ..runtime import is_int
 from ..spec_decode import SpecDecodeStats
 from .kv_grouping import needs_hybrid_manager_disabled
 from .process import EngineProcess, VLLMEngineError, checkpoint_dirs, engine_env, vllm_python
@@ -54,13 +55,12 @@ class EngineRun:
         if self.drafter is not None and self.method != "dflash":
             raise ValueError(f"EngineRun {self.name!r}: a drafter is only used by method 'dflash', not {self.method!r}")
         n = self.num_speculative_tokens
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        if not is_int(n) or n < 1:
             raise ValueError(f"EngineRun {self.name!r}: num_speculative_tokens must be an integer >= 1, got {n!r}")
         if self.draft_sample_method not in DRAFT_SAMPLE_METHODS:
             raise ValueError(f"EngineRun {self.name!r}: draft_sample_method must be one of {DRAFT_SAMPLE_METHODS}, "
                              f"got {self.draft_sample_method!r}")
-        if self.max_new_tokens is not None and (isinstance(self.max_new_tokens, bool) or
-                                                not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1):
+        if self.max_new_tokens is not None and (not is_int(self.max_new_tokens) or self.max_new_tokens < 1):
             raise ValueError(f"EngineRun {self.name!r}: max_new_tokens must be None or an integer >= 1, "
                              f"got {self.max_new_tokens!r}")
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, (int, float)) or self.temperature < 0:
@@ -115,7 +115,7 @@ def _check_prompts(prompts) -> list[list[int]]:
     checked = []
     for i, p in enumerate(prompts):
         ids = p.tolist() if hasattr(p, "tolist") else list(p)
-        if not ids or not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+        if not ids or not all(is_int(t) and t >= 0 for t in ids):
             raise ValueError(f"prompts[{i}] must be a non-empty list of non-negative token ids")
         checked.append(ids)
     if not checked:
@@ -145,7 +145,7 @@ def run_offline(prompts, runs, *, max_new_tokens: int = 64, seed: int = 0, targe
         raise TypeError("runs must be one EngineRun or a non-empty list of them")
     if len({r.name for r in runs}) != len(runs):
         raise ValueError(f"run names must be unique, got {[r.name for r in runs]}")
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+    if not is_int(max_new_tokens) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
     prompts = _check_prompts(prompts) if prompts is not None else None
     run_prompts = {r.name: _check_prompts(r.prompts) if r.prompts is not None else prompts for r in runs}

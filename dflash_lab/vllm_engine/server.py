@@ -22,6 +22,7 @@ from contextlib import contextmanager
 from tqdm.auto import tqdm
 
 from ..spec_decode.metrics import stats_from_prometheus_text
+from ..runtime import is_int
 from ..spec_decode import SpecDecodeStats
 from .kv_grouping import needs_hybrid_manager_disabled
 from .process import EngineProcess, VLLMEngineError, checkpoint_dirs, engine_env, vllm_python
@@ -48,7 +49,7 @@ def free_port(host: str = HOST) -> int:
 
 
 def check_port_free(port: int, host: str = HOST) -> None:
-    if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+    if not is_int(port) or not 0 < port < 65536:
         raise ValueError(f"port must be an integer in 1..65535 or None (pick a free one), got {port!r}")
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         try:
@@ -60,7 +61,7 @@ def check_port_free(port: int, host: str = HOST) -> None:
 
 def speculative_config(method: str, num_speculative_tokens: int, drafter=None, **extra) -> dict:
     """The ``--speculative-config`` JSON object vLLM reads."""
-    if isinstance(num_speculative_tokens, bool) or not isinstance(num_speculative_tokens, int) \
+    if not is_int(num_speculative_tokens) \
             or num_speculative_tokens < 1:
         raise ValueError(f"num_speculative_tokens must be an integer >= 1, got {num_speculative_tokens!r}")
     config = {"method": method, "num_speculative_tokens": num_speculative_tokens}
