@@ -2,6 +2,7 @@
 
 In layer order (a module imports only those above it):
 
+    common    vLLM, imported on first use, and the argument checks every module below shares
     specs     each layer's KV-cache spec, with vLLM's own classes: Laguna + DFlash, MTP,
               a Qwen3.5-style GDN/attention hybrid, a DeepSeek-V4-shaped model
     presets   the chapter's models by name (Poolside's real Laguna pairs among them), a user's config.json
@@ -14,7 +15,7 @@ In layer order (a module imports only those above it):
     compare   the seed's rules beside vLLM 0.33's own: where they differ, and why (file:line)
     layout    the groups read back: rows for the figures, memory per group
 
-vLLM is imported on first use only (``specs.vllm_api``).
+vLLM is imported on first use only (``common.vllm_api``).
 """
 
 from .groups import (

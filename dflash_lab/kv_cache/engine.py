@@ -29,7 +29,7 @@ from types import SimpleNamespace
 from typing import Any, NamedTuple
 
 from dflash_lab.kv_cache.grouping import check_method, grouping_config, layout_name, speculative_config_stub
-from dflash_lab.kv_cache.specs import check_spec_dict, vllm_api, vllm_version
+from dflash_lab.kv_cache.common import check_spec_dict, vllm_api, vllm_version
 
 # vLLM's planning module logs its draft-group warning under this name.
 VLLM_PLANNING_LOGGER = "vllm.v1.core.kv_cache_planning"

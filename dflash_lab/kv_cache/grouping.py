@@ -13,7 +13,7 @@ answered in one place by the vLLM function that decides it in 0.33:
 
 ``groups`` applies the draft-group rules on top of the grouping; ``engine`` runs 0.33's
 engine-level annotation with the same config. Both import from here, and this module imports
-neither. vLLM is imported on first use only (``specs.vllm_api``).
+neither. vLLM is imported on first use only (``common.vllm_api``).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from functools import lru_cache
 from types import SimpleNamespace
 from typing import Any
 
-from dflash_lab.kv_cache.specs import check_spec_dict, vllm_api, vllm_version
+from dflash_lab.kv_cache.common import check_spec_dict, vllm_api, vllm_version
 
 # ``SpeculativeConfig.method`` values vLLM 0.33 accepts (its deprecated per-model
 # MTP aliases such as "deepseek_mtp" are spelled "mtp" here, as vLLM rewrites them).

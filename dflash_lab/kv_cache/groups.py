@@ -36,7 +36,7 @@ This module follows the data path of that decision:
 ``layout`` reads the groups back: rows for the figures and memory per group. vLLM's own
 answers (the grouping, the predicates, V1's one-group check) live in ``grouping``; the names
 chapter 4 and the tests reach through this module are re-exported from there.
-vLLM is imported on first use only (``specs.vllm_api``).
+vLLM is imported on first use only (``common.vllm_api``).
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ from dflash_lab.kv_cache.grouping import (  # noqa: F401  (re-exported: chapter 
     v1_refusal,
     vllm_kv_cache_groups,
 )
-from dflash_lab.kv_cache.specs import check_spec_dict, vllm_api
+from dflash_lab.kv_cache.common import check_spec_dict, vllm_api
 
 logger = logging.getLogger("dflash_lab.kv_cache.groups")
 

@@ -19,7 +19,7 @@ from typing import Any
 
 from dflash_lab.kv_cache.grouping import grouping_config, layout_name
 from dflash_lab.kv_cache.groups import group_holds_mamba, group_layer_specs
-from dflash_lab.kv_cache.specs import check_spec_dict, positive_int, vllm_api
+from dflash_lab.kv_cache.common import check_spec_dict, positive_int, vllm_api
 
 
 def spec_kind(spec) -> str:

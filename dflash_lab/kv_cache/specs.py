@@ -21,20 +21,18 @@ not the DFlash draft block that the rest of the lab calls ``block_size``.
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Iterable, Mapping
-from functools import lru_cache
-from types import SimpleNamespace
 from typing import Any
 
 import torch
 
-from dflash_lab.runtime import is_int
-
-
-INSTALL_HINT = (
-    'the KV-cache grouping needs vLLM 0.33: install it with `pip install "vllm==0.33.*"` '
-    "(or run `make setup`, which installs every dependency of the lab)"
+from dflash_lab.kv_cache.common import (  # noqa: F401  (re-exported: the chapter and the tests reach them here)
+    INSTALL_HINT,
+    check_spec_dict,
+    positive_int,
+    torch_dtype,
+    vllm_api,
+    vllm_version,
 )
 
 LAGUNA_LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -58,79 +56,8 @@ EXAMPLE_LAGUNA_CONFIG = {
 
 
 # ---------------------------------------------------------------------------
-# vLLM, imported on first use
-# ---------------------------------------------------------------------------
-
-
-@lru_cache(maxsize=None)
-def vllm_api() -> SimpleNamespace:
-    """vLLM's KV-cache classes and grouping functions (imported once, lazily).
-
-    ``kv_groups`` and ``kv_layout`` reach vLLM through this too.
-    """
-    # Grouping is host-side bookkeeping: run it on vLLM's CPU platform unless the
-    # user picked another one.
-    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-    # Imported here, not at the top: vLLM is a heavy optional dependency (seconds to
-    # import, platform probing). The rest of the lab must import without it, and only
-    # the KV-cache chapter pays for it, with an ImportError that says how to install it.
-    try:
-        import vllm
-        from vllm.config import SpeculativeConfig, VllmConfig
-        from vllm.model_executor.layers.mamba.mamba_utils import MambaStateShapeCalculator
-        from vllm.v1 import kv_cache_interface
-        from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
-        from vllm.v1.core import kv_cache_planning
-        from vllm.v1.kv_cache_layout import KVCacheLayout
-    except ImportError as exc:
-        raise ImportError(f"{INSTALL_HINT} (importing vLLM failed: {exc})") from exc
-    return SimpleNamespace(
-        version=vllm.__version__,
-        VllmConfig=VllmConfig,
-        SpeculativeConfig=SpeculativeConfig,
-        iface=kv_cache_interface,
-        planning=kv_cache_planning,
-        MambaStateShapeCalculator=MambaStateShapeCalculator,
-        GDN=MambaAttentionBackendEnum.GDN_ATTN,
-        KVCacheLayout=KVCacheLayout,
-    )
-
-
-def vllm_version() -> str:
-    """The installed vLLM's version (imports vLLM; raises ImportError with the fix if missing)."""
-    return vllm_api().version
-
-
-# ---------------------------------------------------------------------------
 # Checking the arguments
 # ---------------------------------------------------------------------------
-
-
-def check_spec_dict(kv_cache_spec: Any, *, argument: str = "kv_cache_spec") -> dict[str, Any]:
-    """A name -> spec dict from a mapping or (name, spec) pairs; names unique and non-empty."""
-    spec_cls = vllm_api().iface.KVCacheSpec
-    if isinstance(kv_cache_spec, Mapping):
-        pairs = list(kv_cache_spec.items())
-    elif isinstance(kv_cache_spec, Iterable) and not isinstance(kv_cache_spec, (str, bytes)):
-        pairs = list(kv_cache_spec)
-        if not all(isinstance(p, tuple) and len(p) == 2 for p in pairs):
-            raise TypeError(f"{argument} must be a mapping of layer name -> KVCacheSpec or (name, spec) pairs")
-    else:
-        raise TypeError(f"{argument} must be a mapping of layer name -> KVCacheSpec, got {type(kv_cache_spec).__name__}")
-    if not pairs:
-        raise ValueError(f"{argument} is empty: there are no layers to group")
-    specs: dict[str, Any] = {}
-    for name, spec in pairs:
-        if not isinstance(name, str):
-            raise TypeError(f"{argument}: layer name {name!r} is not a string")
-        if not name.strip():
-            raise ValueError(f"{argument}: a layer name is empty ({name!r})")
-        if name in specs:
-            raise ValueError(f"{argument}: layer name {name!r} appears twice; every layer registers once")
-        if not isinstance(spec, spec_cls):
-            raise TypeError(f"{argument}[{name!r}] must be a vLLM KVCacheSpec, got {type(spec).__name__}")
-        specs[name] = spec
-    return specs
 
 
 def _get(config: Any, key: str, default: Any = None, *, required: bool = False, where: str = "config") -> Any:
@@ -138,15 +65,6 @@ def _get(config: Any, key: str, default: Any = None, *, required: bool = False, 
     value = config.get(key, default) if isinstance(config, Mapping) else getattr(config, key, default)
     if required and value is None:
         raise ValueError(f"{where}: `{key}` is missing")
-    return value
-
-
-def positive_int(value: Any, key: str, where: str) -> int:
-    """``value`` if it is an integer >= 1; errors name ``key`` and ``where`` it came from."""
-    if not is_int(value):
-        raise TypeError(f"{where}: `{key}` must be an integer, got {value!r}")
-    if value < 1:
-        raise ValueError(f"{where}: `{key}` must be >= 1, got {value}")
     return value
 
 
@@ -165,15 +83,6 @@ def _layer_types(config: Any, num_layers: int, where: str) -> list[str]:
     if unknown:
         raise ValueError(f"{where}: `layer_types` holds unknown types {unknown}; expected {list(LAGUNA_LAYER_TYPES)}")
     return list(types)
-
-
-def _torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    value = getattr(torch, str(dtype), None)
-    if not isinstance(value, torch.dtype):
-        raise ValueError(f"dtype {dtype!r} is not a torch dtype (e.g. 'bfloat16', 'float16', 'float32')")
-    return value
 
 
 # ---------------------------------------------------------------------------
@@ -208,7 +117,7 @@ def laguna_target_specs(
     n = positive_int(_get(config, "num_hidden_layers", required=True, where=where), "num_hidden_layers", where)
     types = _layer_types(config, n, where)
     kv, hd = _attention_heads(config, where, num_kv_heads, head_dim)
-    dtype, kv_block_size = _torch_dtype(dtype), positive_int(kv_block_size, "kv_block_size", "arguments")
+    dtype, kv_block_size = torch_dtype(dtype), positive_int(kv_block_size, "kv_block_size", "arguments")
     window = None
     if "sliding_attention" in types:
         window = positive_int(_get(config, "sliding_window", required=True, where=where), "sliding_window", where)
@@ -246,7 +155,7 @@ def dflash_drafter_specs(
     kv, hd = _attention_heads(drafter_config, where, num_kv_heads, head_dim)
     spec = v.iface.FullAttentionSpec(
         block_size=positive_int(kv_block_size, "kv_block_size", "arguments"),
-        num_kv_heads=kv, head_size=hd, dtype=_torch_dtype(dtype), is_draft=True,
+        num_kv_heads=kv, head_size=hd, dtype=torch_dtype(dtype), is_draft=True,
     )
     return {f"model.layers.{offset + j}.self_attn.attn": spec for j in range(n)}
 
@@ -350,7 +259,7 @@ def qwen3_5_hybrid_specs(
     same page size.
     """
     v = vllm_api()
-    dtype, kv_block_size = _torch_dtype(dtype), positive_int(kv_block_size, "kv_block_size", "arguments")
+    dtype, kv_block_size = torch_dtype(dtype), positive_int(kv_block_size, "kv_block_size", "arguments")
     shapes, dtypes = _gdn_state(dtype, *gdn_heads, *gdn_head_dims, conv_kernel=4)
     mamba = v.iface.MambaSpec(block_size=kv_block_size, shapes=shapes, dtypes=dtypes,
                               mamba_type=v.GDN, mamba_cache_mode="align")
@@ -402,7 +311,7 @@ def deepseek_v4_specs(
     if positive_int(kv_block_size, "kv_block_size", "arguments") % positive_int(compress_ratio, "compress_ratio", "arguments"):
         raise ValueError(f"compress_ratio {compress_ratio} must divide kv_block_size {kv_block_size}: a block holds whole states")
     common = dict(block_size=kv_block_size, num_kv_heads=1,
-                  head_size=positive_int(head_dim, "head_dim", "arguments"), dtype=_torch_dtype(dtype),
+                  head_size=positive_int(head_dim, "head_dim", "arguments"), dtype=torch_dtype(dtype),
                   max_tp_shards=1, model_version=model_version)
     swa = v.iface.SlidingWindowMLASpec(**common, sliding_window=positive_int(sliding_window, "sliding_window", "arguments"))
     compressed = v.iface.MLAAttentionSpec(**common, tokens_per_state=compress_ratio)
