@@ -29,7 +29,8 @@ import torch
 
 from .pair_files import check_pair_files, weight_files
 from .runtime import (
-    CHECKPOINTS_DIR, DEFAULT_DRAFTER, DEFAULT_TARGET, DEVICE_ENV, DOCSTRING_PROMPTS, DRAFTER_ENV, HELDOUT_PROMPTS, TARGET_ENV,
+    CHECKPOINTS_DIR, DEFAULT_DRAFTER, DEFAULT_TARGET, DEVICE_ENV, DOCSTRING_PROMPTS, DRAFTER_ENV, HELDOUT_PROMPTS,
+    TARGET_ENV,
     drafter_path, load_tokenizer, resolve_device, resolve_device_and_dtype, target_path,
 )
 
@@ -96,12 +97,14 @@ def load_default_pair(device=None, *, dtype: torch.dtype | None = None, drafter:
     from .checkpoint import load_drafter
     from .target import load_target
 
-    device, dtype = resolve_device_and_dtype(device if device is not None else default_device(), dtype, "load_default_pair")
+    device, dtype = resolve_device_and_dtype(device if device is not None else default_device(), dtype,
+                                             "load_default_pair")
     tpath, dpath = target_path(), pair_drafters()[drafter]
     for what, path, env in (("target", tpath, TARGET_ENV),
                             ("drafter", dpath, DRAFTER_ENV if drafter == "paper" else DRAFTER2_ENV)):
         if not path.is_dir():
-            raise FileNotFoundError(f"{what} checkpoint directory {path} does not exist (set ${env} to point elsewhere)")
+            raise FileNotFoundError(f"{what} checkpoint directory {path} does not exist "
+                                    f"(set ${env} to point elsewhere)")
     if dtype is None and device.type == "cpu":
         dtype = torch.float32
     check_pair_files(tpath, dpath)  # a missing shard or a misfit drafter is named before anything loads

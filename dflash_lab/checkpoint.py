@@ -45,7 +45,8 @@ def save_drafter(drafter: DFlashLagunaDrafter, out_dir, *, dtype: torch.dtype | 
     out_dir = Path(out_dir)
     if out_dir.exists() and not (out_dir / CONFIG_NAME).is_file() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         # Saving replaces out_dir as a whole: never do that to something that is not a checkpoint.
-        raise FileExistsError(f"save_drafter: `out_dir` {out_dir} exists and is not a checkpoint directory; refusing to replace it")
+        raise FileExistsError(f"save_drafter: `out_dir` {out_dir} exists and is not a checkpoint directory; "
+                              "refusing to replace it")
     tensors = {name: t.detach().to("cpu", dtype or t.dtype).contiguous() for name, t in drafter.state_dict().items()}
     config = drafter.config.to_dict()  # target_layer_count as configured: a guess would outlive its target
     config["torch_dtype"] = str(dtype or next(drafter.parameters()).dtype).removeprefix("torch.")

@@ -172,7 +172,8 @@ class DFlashDrafterConfig:
         if not isinstance(layer_types, list) or not all(isinstance(t, str) for t in layer_types):
             raise err("layer_types", f"must be a list of strings, got {layer_types!r}", TypeError)
         if len(layer_types) != n_layers:
-            raise err("layer_types", f"has length {len(layer_types)}, which does not match num_hidden_layers {n_layers}", ValueError)
+            raise err("layer_types", f"has length {len(layer_types)}, which does not match num_hidden_layers "
+                      f"{n_layers}", ValueError)
         unknown = sorted(set(layer_types) - set(LAYER_TYPES))
         if unknown:
             raise err("layer_types", f"holds unknown types {unknown}; expected {list(LAYER_TYPES)}")
@@ -183,12 +184,14 @@ class DFlashDrafterConfig:
             )
 
         if d.get("draft_vocab_size") is None:
-            raise err("draft_vocab_size", "is missing: Laguna DFlash shares the target lm_head and requires it", ValueError)
+            raise err("draft_vocab_size", "is missing: Laguna DFlash shares the target lm_head and requires it",
+                      ValueError)
         vocab = get_int("draft_vocab_size")
 
         dflash = d.get("dflash_config")
         if not isinstance(dflash, dict):
-            raise err("dflash_config", "is missing or not an object" if dflash is None else f"must be an object, got {dflash!r}")
+            raise err("dflash_config",
+                      "is missing or not an object" if dflash is None else f"must be an object, got {dflash!r}")
         ids = target_layer_ids(d, dflash, err)
         mask_src, mask_key, mask_name = mask_token_key(d, dflash)  # dflash_config's, else the top level's
         mask_id = get_int(mask_key, src=mask_src, name=mask_name, minimum=0)
@@ -228,7 +231,8 @@ class DFlashDrafterConfig:
             raise err(factor_key, f"gives an odd rotary dim {int(head_dim * factor)} for head_dim {head_dim}")
         if not _positive_number(theta):
             raise err(f"{origin}.rope_theta", f"must be a positive number, got {theta!r}")
-        rope = {layer_types[0]: {"rope_type": "default", "rope_theta": float(theta), "partial_rotary_factor": float(factor)}}
+        rope = {layer_types[0]: {"rope_type": "default", "rope_theta": float(theta),
+                                 "partial_rotary_factor": float(factor)}}
         check_attention_sinks(d, layer_types[0], err)
 
         # transformers' LagunaConfig (and so vLLM) takes an int or no key at all: `null` is refused.
@@ -305,7 +309,11 @@ class DFlashDrafterConfig:
     # --- pairing with a target -------------------------------------------------
     def validate_against_target(self, target_config) -> None:
         """Check that this drafter can serve ``target_config`` (a LagunaConfig or dict)."""
-        get = (lambda k: target_config.get(k)) if isinstance(target_config, dict) else (lambda k: getattr(target_config, k, None))
+        if isinstance(target_config, dict):
+            get = target_config.get
+        else:
+            def get(key):
+                return getattr(target_config, key, None)
         where = f" ({self.source})" if self.source else ""
         vocab, n_layers, hidden = get("vocab_size"), get("num_hidden_layers"), get("hidden_size")
         if vocab is None or n_layers is None or hidden is None:
@@ -322,7 +330,8 @@ class DFlashDrafterConfig:
                 f"with {n_layers} layers (valid: 0..{n_layers - 1})"
             )
         if self.mask_token_id >= vocab:
-            raise ConfigError(f"drafter{where} `dflash_config.mask_token_id` {self.mask_token_id} is outside the target vocabulary ({vocab})")
+            raise ConfigError(f"drafter{where} `dflash_config.mask_token_id` {self.mask_token_id} is outside the "
+                              f"target vocabulary ({vocab})")
         if self.target_hidden_size != hidden:
             raise ConfigError(
                 f"drafter{where} `fc` expects target hidden size {self.target_hidden_size} "

@@ -98,7 +98,8 @@ def layer_rope(d: dict, layer_type: str) -> tuple[dict, str, str | None]:
     top = transformers_rope_parameters(d)
     if any(isinstance(v, dict) for v in top.values()):
         picked = next((t for t in (layer_type, "full_attention") if top.get(t)), None)
-        entry, origin = (dict(top[picked]), f"rope_parameters.{picked}") if picked else ({}, "nothing (get_rope's defaults)")
+        entry, origin = ((dict(top[picked]), f"rope_parameters.{picked}") if picked
+                         else ({}, "nothing (get_rope's defaults)"))
     else:
         entry, origin = dict(top), "rope_parameters (flat)"
     swa = d.get("swa_rope_parameters")
@@ -224,7 +225,8 @@ def config_key_table(d: dict) -> list[dict]:
     def row(key, value, vllm, lab):
         return {"key": key, "in_file": "absent" if value is missing else value, "vllm": vllm, "lab": lab}
 
-    swa, partial, sink = d.get("swa_rope_parameters", missing), d.get("partial_rotary_factor", missing), d.get(SINK_KEY, missing)
+    swa, partial = d.get("swa_rope_parameters", missing), d.get("partial_rotary_factor", missing)
+    sink = d.get(SINK_KEY, missing)
     aux, ids = d.get(AUX_KEY, missing), dflash.get("target_layer_ids", missing)
     rope = {r["layer_type"]: r for r in rope_resolution_table(d)}[types[0]]
     return [

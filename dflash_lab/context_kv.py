@@ -142,11 +142,13 @@ def context_kv_reference(drafter, context: torch.Tensor, positions: torch.Tensor
 def context_kv_batched(drafter, context: torch.Tensor, positions: torch.Tensor):
     cfg, L, N = drafter.config, len(drafter.layers), context.shape[0]
     bufs = build_context_kv_buffers(drafter, context.device, context.dtype)
-    normed = bufs["input_layernorm_weights"][:, None, :] * rms_normalize(context, cfg.rms_norm_eps).unsqueeze(0)  # (L, N, H)
+    normed = rms_normalize(context, cfg.rms_norm_eps).unsqueeze(0)  # (1, N, H)
+    normed = bufs["input_layernorm_weights"][:, None, :] * normed  # (L, N, H)
     kv = torch.bmm(normed, bufs["kv_weights"].transpose(1, 2))  # (L, N, 2*nkv*hd)
     if "kv_biases" in bufs:
         kv = kv + bufs["kv_biases"][:, None, :]
-    k, v = kv.view(L, N, 2, cfg.num_key_value_heads, cfg.head_dim).permute(2, 0, 1, 3, 4).contiguous()  # (L, N, nkv, hd)
+    kv = kv.view(L, N, 2, cfg.num_key_value_heads, cfg.head_dim)
+    k, v = kv.permute(2, 0, 1, 3, 4).contiguous()  # (L, N, nkv, hd)
     k = bufs["k_norm_weights"][:, None, None, :] * rms_normalize(k, cfg.rms_norm_eps)
     cos, sin = rope_tables(drafter.config, positions, context.dtype)
     return apply_rope(k, cos, sin), v

@@ -185,8 +185,10 @@ if triton is not None:
             k3 = _rounded(w3 * _rounded(x3 * rinv, dt, EMULATE_BF16), dt, EMULATE_BF16)
 
             # --- RoPE (neox rotate_half) in the input dtype: [x1, x2] -> [x1 c - x2 s, x2 c + x1 s]
-            o1 = _rounded(_rounded(k1 * cos, dt, EMULATE_BF16) + _rounded(-k2 * sin, dt, EMULATE_BF16), dt, EMULATE_BF16)
-            o2 = _rounded(_rounded(k2 * cos, dt, EMULATE_BF16) + _rounded(k1 * sin, dt, EMULATE_BF16), dt, EMULATE_BF16)
+            o1 = _rounded(_rounded(k1 * cos, dt, EMULATE_BF16) + _rounded(-k2 * sin, dt, EMULATE_BF16),
+                          dt, EMULATE_BF16)
+            o2 = _rounded(_rounded(k2 * cos, dt, EMULATE_BF16) + _rounded(k1 * sin, dt, EMULATE_BF16),
+                          dt, EMULATE_BF16)
             tl.store(k_ptr + dst + c1, o1.to(dt), mask=m1)
             tl.store(k_ptr + dst + HALF + c1, o2.to(dt), mask=m1)
             tl.store(k_ptr + dst + ROT + c3, k3.to(dt), mask=m3)

@@ -160,9 +160,10 @@ def cut_docstring_prompts(files: list[SourceFile], n: int = NUM_PROMPTS, *, seed
     """``n`` docstring-first prompts from held-out library files: a function's signature and docstring, no body.
 
     A prompt is up to ``context_chars`` of whole lines before a documented ``def`` (the code above
-    it, from a ``def``/``class``/decorator line on), then the ``def`` line through the docstring's closing quotes, and stops there:
-    the target's continuation is the function body, new code the prompt does not contain (where the
-    held-out set's continuations often repeat their prompt). The text parses on its own when the
+    it, from a ``def``/``class``/decorator line on), then the ``def`` line through the docstring's
+    closing quotes, and stops there: the target's continuation is the function body, new code the
+    prompt does not contain (where the held-out set's continuations often repeat their prompt). The
+    text parses on its own when the
     context does: its last statement is that function, with only the docstring as body. No prompt
     overlaps the lines of a prompt in ``avoid`` (e.g. the held-out set, cut from the same files);
     a file gives a second (third) prompt only once every file has given one (two). A method's prompt

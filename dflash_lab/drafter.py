@@ -48,7 +48,8 @@ class DFlashAttention(nn.Module):
 
     def __init__(self, cfg: DFlashDrafterConfig):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
@@ -80,7 +81,7 @@ class DFlashAttention(nn.Module):
         if self.gating:
             gate = F.softplus(g[0].float()).to(out.dtype)
             out = out.unflatten(-1, (self.num_heads, self.head_dim))  # (B, Q, nh, hd)
-            out = (out * (gate.unsqueeze(-1) if self.gate_per_head else gate.unflatten(-1, (self.num_heads, self.head_dim))))
+            out = out * (gate.unsqueeze(-1) if self.gate_per_head else gate.unflatten(-1, out.shape[-2:]))
             out = out.flatten(-2)
         return self.o_proj(out)
 
@@ -256,7 +257,8 @@ class DFlashLagunaDrafter(nn.Module):
         self.window = config.window
         n_aux = len(config.target_layer_ids)
         self.layers = nn.ModuleList(DFlashDecoderLayer(config) for _ in range(config.num_hidden_layers))
-        self.aux_hidden_norms = nn.ModuleList(RMSNorm(config.target_hidden_size, config.rms_norm_eps) for _ in range(n_aux))
+        self.aux_hidden_norms = nn.ModuleList(RMSNorm(config.target_hidden_size, config.rms_norm_eps)
+                                              for _ in range(n_aux))
         self.fc = nn.Linear(n_aux * config.target_hidden_size, config.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -319,7 +321,7 @@ class DFlashLagunaDrafter(nn.Module):
                 f"hidden {ht} = {n_aux * ht}"
             )
         slices = aux.unflatten(-1, (n_aux, ht))  # (..., n_aux, H_t)
-        normed = torch.stack([ops.norm(norm, slices[..., i, :]) for i, norm in enumerate(self.aux_hidden_norms)], dim=-2)
+        normed = torch.stack([ops.norm(norm, s) for norm, s in zip(self.aux_hidden_norms, slices.unbind(-2))], dim=-2)
         return ops.norm(self.hidden_norm, self.fc(normed.flatten(-2)))
 
     # --- step 2: context K/V (the three paths live in context_kv.py) ------------
@@ -360,7 +362,8 @@ class DFlashLagunaDrafter(nn.Module):
         if kv.k.shape[0] != len(self.layers):
             raise ValueError(f"context K/V hold {kv.k.shape[0]} layers, the drafter has {len(self.layers)}")
         if mask is None:
-            mask = kv.mask(positions, block_size or positions.shape[1], causal=self.config.is_causal, window=self.window)
+            mask = kv.mask(positions, block_size or positions.shape[1], causal=self.config.is_causal,
+                           window=self.window)
         groups = self.config.num_attention_heads // self.config.num_key_value_heads
         mask = grouped_mask(mask, groups, *noise_embeds.shape[:2])  # once, for every layer
         cos, sin = rope_tables(self.config, positions, noise_embeds.dtype)

@@ -135,8 +135,8 @@ def grouped_mask(mask: torch.Tensor, groups: int, batch: int, queries: int) -> t
 def gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
     """Attention of q (B, Q, H, hd) over k/v (B, nkv, S, hd) -> (B, Q, H*hd).
 
-    mask (B, Q, S) (B and Q may be 1: broadcast), or ``grouped_mask``'s (B, 1, g*Q, S): bool (True = visible) or additive
-    (0 / -inf); every row sees a key.
+    mask (B, Q, S) (B and Q may be 1: broadcast), or ``grouped_mask``'s (B, 1, g*Q, S): bool
+    (True = visible) or additive (0 / -inf); every row sees a key.
     The g = H / nkv query heads that share a KV head are folded into the query axis,
     (B, nkv, g*Q, hd), so SDPA's fused kernels run on the KV heads as they are (no repeat
     of K/V, no enable_gqa fallback to the math kernel).

@@ -105,7 +105,10 @@ def target_forward(target: LagunaForCausalLM, input_ids: torch.Tensor, layer_ids
     if bad:
         raise ValueError(f"layer_ids {bad} do not exist in a target with {len(layers)} layers")
     captured: dict[int, torch.Tensor] = {}
-    hooks = [layers[i].register_forward_hook(lambda m, a, out, i=i: captured.__setitem__(i, out[0] if isinstance(out, tuple) else out))
+    def keep(i):  # a hook that keeps layer i's output (the hidden states, when it returns a tuple)
+        return lambda m, a, out: captured.__setitem__(i, out[0] if isinstance(out, tuple) else out)
+
+    hooks = [layers[i].register_forward_hook(keep(i))
              for i in layer_ids]
     try:
         run = target if with_logits else target.model

@@ -83,7 +83,8 @@ def check_spec_dict(kv_cache_spec: Any, *, argument: str = "kv_cache_spec") -> d
         if not all(isinstance(p, tuple) and len(p) == 2 for p in pairs):
             raise TypeError(f"{argument} must be a mapping of layer name -> KVCacheSpec or (name, spec) pairs")
     else:
-        raise TypeError(f"{argument} must be a mapping of layer name -> KVCacheSpec, got {type(kv_cache_spec).__name__}")
+        raise TypeError(f"{argument} must be a mapping of layer name -> KVCacheSpec, "
+                        f"got {type(kv_cache_spec).__name__}")
     if not pairs:
         raise ValueError(f"{argument} is empty: there are no layers to group")
     specs: dict[str, Any] = {}

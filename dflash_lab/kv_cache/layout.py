@@ -130,7 +130,8 @@ def group_memory(groups: list, *, layout: str = "LBHNC", kv_budget_bytes: int = 
     rows = [(g, group_layer_specs(g)) for g in groups]
     group_bytes = [sum(s.page_size_bytes for s in per_layer.values()) for _, per_layer in rows]
     if config.num_blocks == 0:
-        raise ValueError(f"kv_budget_bytes={budget} is smaller than one block of the pool (>= {max(group_bytes):,} bytes)")
+        raise ValueError(f"kv_budget_bytes={budget} is smaller than one block of the pool "
+                         f"(>= {max(group_bytes):,} bytes)")
     pool = config.kv_cache_tensors[0].size // config.num_blocks
     memory = []
     for i, ((group, per_layer), nbytes) in enumerate(zip(rows, group_bytes)):

@@ -42,7 +42,8 @@ PRESETS = {
 }
 
 
-def poolside_pair_specs(name: str, *, dtype: str | torch.dtype = "bfloat16", kv_block_size: int = kv_specs.KV_BLOCK_SIZE) -> dict[str, Any]:
+def poolside_pair_specs(name: str, *, dtype: str | torch.dtype = "bfloat16",
+                        kv_block_size: int = kv_specs.KV_BLOCK_SIZE) -> dict[str, Any]:
     """A real Laguna target and its DFlash drafter (a ``presets.DRAFTER_PRESETS`` name), at full shape.
 
     Only the attention geometry reaches the grouping (layer types, KV heads, head dim,
@@ -68,7 +69,8 @@ def preset_specs(name: str, *, drafter_sliding: bool = False, mark_draft: bool =
         if depth is None:  # the pair in use
             return kv_specs.laguna_dflash_specs(load_config(target_path()), shipped_drafter_config())
         # the worked split case is the shipped pair's, whatever pair is in use
-        return kv_specs.laguna_dflash_specs(load_config(DEFAULT_TARGET), shipped_drafter_config(depth, path=DEFAULT_DRAFTER))
+        shipped = load_config(DEFAULT_TARGET), shipped_drafter_config(depth, path=DEFAULT_DRAFTER)
+        return kv_specs.laguna_dflash_specs(*shipped)
     if name == "laguna_dflash":
         return kv_specs.laguna_dflash_specs(drafter_sliding=drafter_sliding)
     if name == "qwen3_5_mtp":

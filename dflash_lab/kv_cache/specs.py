@@ -97,7 +97,8 @@ def _attention_heads(config: Any, where: str, num_kv_heads: int | None, head_dim
     hd = head_dim if head_dim is not None else _get(config, "head_dim")
     if hd is None:
         hidden = _get(config, "hidden_size", required=True, where=where)
-        hd = hidden // positive_int(_get(config, "num_attention_heads", required=True, where=where), "num_attention_heads", where)
+        heads = _get(config, "num_attention_heads", required=True, where=where)
+        hd = hidden // positive_int(heads, "num_attention_heads", where)
     return positive_int(kv, "num_key_value_heads", where), positive_int(hd, "head_dim", where)
 
 
@@ -225,7 +226,8 @@ def mtp_drafter_specs(target_specs: Any, num_layers: int = 1) -> dict[str, Any]:
     return {f"mtp.layers.{k}.self_attn.attn": full[-1] for k in range(n)}
 
 
-def _gdn_state(dtype: torch.dtype, num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int, conv_kernel: int):
+def _gdn_state(dtype: torch.dtype, num_k_heads: int, num_v_heads: int, head_k_dim: int, head_v_dim: int,
+               conv_kernel: int):
     """Shapes and dtypes of one Gated DeltaNet layer's state, from vLLM's own calculator."""
     conv, recurrent = vllm_api().MambaStateShapeCalculator.gated_delta_net_state_shape(
         1, num_k_heads, num_v_heads, head_k_dim, head_v_dim, conv_kernel
@@ -263,7 +265,8 @@ def qwen3_5_hybrid_specs(
     shapes, dtypes = _gdn_state(dtype, *gdn_heads, *gdn_head_dims, conv_kernel=4)
     mamba = v.iface.MambaSpec(block_size=kv_block_size, shapes=shapes, dtypes=dtypes,
                               mamba_type=v.GDN, mamba_cache_mode="align")
-    attn = v.iface.FullAttentionSpec(block_size=kv_block_size, num_kv_heads=positive_int(num_kv_heads, "num_kv_heads", "arguments"),
+    attn = v.iface.FullAttentionSpec(block_size=kv_block_size,
+                                     num_kv_heads=positive_int(num_kv_heads, "num_kv_heads", "arguments"),
                                      head_size=positive_int(head_dim, "head_dim", "arguments"), dtype=dtype)
     if align_pages:
         per_block = attn.page_size_bytes  # bytes of one kv_block_size-token attention page
@@ -308,12 +311,15 @@ def deepseek_v4_specs(
     ``mark_draft`` (vLLM 0.33's runtime).
     """
     v = vllm_api()
-    if positive_int(kv_block_size, "kv_block_size", "arguments") % positive_int(compress_ratio, "compress_ratio", "arguments"):
-        raise ValueError(f"compress_ratio {compress_ratio} must divide kv_block_size {kv_block_size}: a block holds whole states")
+    ratio = positive_int(compress_ratio, "compress_ratio", "arguments")
+    if positive_int(kv_block_size, "kv_block_size", "arguments") % ratio:
+        raise ValueError(f"compress_ratio {compress_ratio} must divide kv_block_size {kv_block_size}: "
+                         "a block holds whole states")
     common = dict(block_size=kv_block_size, num_kv_heads=1,
                   head_size=positive_int(head_dim, "head_dim", "arguments"), dtype=torch_dtype(dtype),
                   max_tp_shards=1, model_version=model_version)
-    swa = v.iface.SlidingWindowMLASpec(**common, sliding_window=positive_int(sliding_window, "sliding_window", "arguments"))
+    swa = v.iface.SlidingWindowMLASpec(**common,
+                                       sliding_window=positive_int(sliding_window, "sliding_window", "arguments"))
     compressed = v.iface.MLAAttentionSpec(**common, tokens_per_state=compress_ratio)
     specs = {}
     n = positive_int(num_target_layers, "num_target_layers", "arguments") + int(with_draft_layer)
@@ -322,5 +328,6 @@ def deepseek_v4_specs(
         specs[f"model.layers.{i}.self_attn.attn"] = compressed
     if mark_draft and with_draft_layer:
         draft = n - 1
-        specs = mark_draft_layers(specs, [f"model.layers.{draft}.self_attn.swa_attn", f"model.layers.{draft}.self_attn.attn"])
+        specs = mark_draft_layers(specs, [f"model.layers.{draft}.self_attn.swa_attn",
+                                          f"model.layers.{draft}.self_attn.attn"])
     return specs

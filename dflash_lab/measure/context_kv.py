@@ -88,10 +88,12 @@ def run_context_kv(*, layers, contexts, device, dtype, compiled: bool, fused: bo
                     bufs = build_context_kv_buffers(drafter, device, dtype)
                     kv = (x @ bufs["folded_weight"].T).view(N, L, 2, cfg.num_key_value_heads, cfg.head_dim)
                     rstd = kernels.row_rstd(x, cfg.rms_norm_eps)
-                    ep = time_ms(lambda: kernels.knorm_rope_split(kv, bufs["k_norm_weights"], pos, cfg, row_scale=rstd), device)
+                    ep = time_ms(lambda: kernels.knorm_rope_split(kv, bufs["k_norm_weights"], pos, cfg, row_scale=rstd),
+                                 device)
                     rs = time_ms(lambda: kernels.row_rstd(x, cfg.rms_norm_eps), device)
                     nbytes = kernels.epilogue_bytes(N, L, cfg.num_key_value_heads, cfg.head_dim, dtype)
-                    diag.update(epilogue_ms=round(ep, 4), epilogue_GBps=round(nbytes / ep / 1e6, 1), row_rstd_ms=round(rs, 4))
+                    diag.update(epilogue_ms=round(ep, 4), epilogue_GBps=round(nbytes / ep / 1e6, 1),
+                                row_rstd_ms=round(rs, 4))
                     del kv
                 diagnostics.append(diag)
             del x, ref
@@ -149,7 +151,8 @@ def cpu_threads(device, threads: int | None):
 
 
 def live_device_name(device, threads: int | None = 1) -> str:
-    """``runtime.device_name`` as it reads inside ``cpu_threads(device, threads)``: a CPU says how many threads time it."""
+    """``runtime.device_name`` as it reads inside ``cpu_threads(device, threads)``: a CPU says how many threads
+    time it."""
     with cpu_threads(device, threads):
         return device_name(device).replace(" 1 threads)", " 1 thread)")
 

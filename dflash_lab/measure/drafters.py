@@ -68,7 +68,8 @@ def paired_difference(counts_a, counts_b, *, index: np.ndarray | None = None, le
 
 
 def compare_drafters(target, drafters: dict, tokenizer, prompt_sets: dict, *, block_sizes=(4, 8, 16),
-                     max_new_tokens: int = 64, prompt_lookup_block: int | None = DEFAULT_BLOCK_SIZE, progress=print) -> dict:
+                     max_new_tokens: int = 64, prompt_lookup_block: int | None = DEFAULT_BLOCK_SIZE,
+                     progress=print) -> dict:
     """Every drafter on every prompt set: per-prompt counts, tau with intervals, paired differences.
 
     drafters: name -> drafter (the first two are compared); prompt_sets: name -> prompt dicts with ``text``.
@@ -106,7 +107,8 @@ def compare_drafters(target, drafters: dict, tokenizer, prompt_sets: dict, *, bl
     return result
 
 
-def window_study(target, drafters: dict, tokenizer, prompts, *, cut_tokens: int = 64, block_size: int = DEFAULT_BLOCK_SIZE,
+def window_study(target, drafters: dict, tokenizer, prompts, *, cut_tokens: int = 64,
+                 block_size: int = DEFAULT_BLOCK_SIZE,
                  max_new_tokens: int = 64, progress=print) -> dict:
     """Where a sliding drafter loses on long prompts: every drafter on the full prompts and on their last
     ``cut_tokens`` tokens, and each sliding drafter again on the full prompts with its window removed.
@@ -159,7 +161,8 @@ def window_drops(study: dict) -> dict:
 
 def window_markdown(study: dict) -> str:
     t = study["prompt_tokens"]
-    lines = [f"### Long prompts and the window (block {study['block_size']}, {study['num_prompts']} held-out prompts of "
+    lines = [f"### Long prompts and the window (block {study['block_size']}, {study['num_prompts']} held-out "
+             f"prompts of "
              f"{t['min']}-{t['max']} tokens, {study['max_new_tokens']} new tokens)", "",
              "| drafter: prompts | τ | 95 % interval |", "|---|---|---|"]
     lines += [f"| {name} | {r['tau']:.2f} | [{r['low']:.2f}, {r['high']:.2f}] |" for name, r in study["runs"].items()]
@@ -189,7 +192,8 @@ def markdown(result: dict, repetition: dict | None = None) -> str:
                                                      for c in cells) + " |")
         for pair, diffs in entry["differences"].items():
             lines.append(f"| {pair} (paired) | " + " | ".join(
-                f"{d['difference']:+.2f} [{d['low']:+.2f}, {d['high']:+.2f}]" for d in (diffs[str(bs)] for bs in blocks))
+                f"{d['difference']:+.2f} [{d['low']:+.2f}, {d['high']:+.2f}]"
+                for d in (diffs[str(bs)] for bs in blocks))
                 + " |")
         for bs, c in entry.get("prompt_lookup", {}).items():
             lines.append(f"| prompt lookup (block {bs}) | " + " | ".join(

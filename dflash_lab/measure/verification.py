@@ -1,4 +1,5 @@
-"""vLLM's four verification rules side by side on a pair: τ with intervals over prompts, and what the lossy ones give up.
+"""vLLM's four verification rules side by side on a pair: τ with intervals over prompts, and what the lossy
+ones give up.
 
 For every rule x draft-sampling mode x temperature (``run_grid``; one cell is ``run_cell``): τ per
 prompt (mean and a 95 % t-interval over prompts), vLLM's per-position rates, tokens per target

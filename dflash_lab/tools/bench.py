@@ -1,9 +1,9 @@
 """Benchmarks, one subcommand each, results as JSON + a markdown table under benchmarks/.
 
     python -m dflash_lab.tools.bench context-kv [--quick]   # the three context-K/V paths vs the GEMM floor
-    python -m dflash_lab.tools.bench spec-decode [--quick]  # tokens/s of the shipped pair; speedup projected to Laguna-XS.2
+    python -m dflash_lab.tools.bench spec-decode [--quick]  # tokens/s of the shipped pair on the fast path
     python -m dflash_lab.tools.bench acceptance [--quick]   # acceptance of the shipped pair on the held-out prompts
-    python -m dflash_lab.tools.bench drafters [--quick]     # both shipped drafters, two prompt sets, bootstrap intervals
+    python -m dflash_lab.tools.bench drafters [--quick]     # both shipped drafters, two prompt sets, intervals
     python -m dflash_lab.tools.bench repetition [--quick]   # τ on repetitive vs non-repetitive continuations
 
 Each benchmark is a module beside this one (bench_context_kv, bench_spec_decode,
@@ -26,7 +26,8 @@ BENCHMARKS = (bench_context_kv, bench_spec_decode, bench_acceptance, bench_draft
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m dflash_lab.tools.bench", description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{context-kv,spec-decode,acceptance,drafters,repetition}")
+    names = "context-kv,spec-decode,acceptance,drafters,repetition"
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{" + names + "}")
     for benchmark in BENCHMARKS:
         benchmark.add_command(sub)
     return parser

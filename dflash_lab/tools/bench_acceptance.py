@@ -22,7 +22,8 @@ from ..spec_decode import SpecDecodeStats, speculative_generate
 from .bench_common import OUT_HELP, pair_out_dir, write_results
 
 
-def measure_acceptance(*, device, block_sizes, n_prompts: int | None, max_new_tokens: int, progress=print) -> list[dict]:
+def measure_acceptance(*, device, block_sizes, n_prompts: int | None, max_new_tokens: int,
+                       progress=print) -> list[dict]:
     """vLLM's acceptance counters of greedy speculative decoding, one row per block size."""
     target, drafter, tokenizer = load_default_pair(device=device)
     prompts = heldout_prompts()[:n_prompts]
@@ -31,7 +32,8 @@ def measure_acceptance(*, device, block_sizes, n_prompts: int | None, max_new_to
     for block in block_sizes:
         stats, t0 = SpecDecodeStats(), time.perf_counter()
         for x in tqdm(ids, desc=f"block {block}", leave=False, disable=None):
-            stats = stats + speculative_generate(target, drafter, x, max_new_tokens=max_new_tokens, block_size=block).stats
+            run = speculative_generate(target, drafter, x, max_new_tokens=max_new_tokens, block_size=block)
+            stats = stats + run.stats
         row = {
             "block_size": block, "prompts": len(ids), "max_new_tokens": max_new_tokens,
             "num_drafts": stats.num_drafts, "num_draft_tokens": stats.num_draft_tokens,
@@ -44,7 +46,8 @@ def measure_acceptance(*, device, block_sizes, n_prompts: int | None, max_new_to
         }
         rows.append(row)
         progress(f"  block {block:2d}: mean acceptance length {row['mean_acceptance_length']:.3f} over "
-                 f"{row['num_drafts']} drafts; per position " + " ".join(f"{r:.2f}" for r in row["per_position_acceptance_rate"]))
+                 f"{row['num_drafts']} drafts; per position "
+                 + " ".join(f"{r:.2f}" for r in row["per_position_acceptance_rate"]))
     return rows
 
 

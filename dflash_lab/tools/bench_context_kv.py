@@ -93,7 +93,8 @@ def small_n_markdown(records) -> list[str]:
         ms = {p: t.get((p, L, N), {}).get("ms") for p in SMALL_N_PATHS}
         roof = t.get(("gemm_floor", L, N), {}).get("roofline_ms")
         fg, gg = ms["folded_triton_graphed"], ms["gemm_floor_graphed"]
-        lines.append(f"| {L} | {N} | {cell(ms['gemm_floor'])} | {cell(gg)} | {cell(roof)} | {cell(ms['folded_triton'])} | "
+        lines.append(f"| {L} | {N} | {cell(ms['gemm_floor'])} | {cell(gg)} | {cell(roof)} | "
+                     f"{cell(ms['folded_triton'])} | "
                      f"{cell(fg)} | {ratio(fg, gg)} | {ratio(fg, roof)} |")
     return lines
 
@@ -127,7 +128,8 @@ def context_kv_markdown(records, diagnostics=(), *, dtype="bfloat16", command=""
     if diagnostics and any("epilogue_ms" in d for d in diagnostics):
         lines += ["", "## The fused epilogue alone", "",
                   "One read of the GEMM output, one write of K and V; bytes counted that way over the time.", "",
-                  "| L | N | epilogue ms | GB/s | row 1/rms ms | folded_triton bf16 err max / mean |", "|---|---|---|---|---|---|"]
+                  "| L | N | epilogue ms | GB/s | row 1/rms ms | folded_triton bf16 err max / mean |",
+                  "|---|---|---|---|---|---|"]
         for d in sorted(diagnostics, key=lambda d: (d["layers"], d["context"])):
             if "epilogue_ms" in d:
                 e = d.get("folded_triton_err", {})
@@ -149,8 +151,9 @@ def context_kv_small_n(args, device, dtype) -> int:
     new = run_small_n(device=device, dtype=dtype, progress=lambda s: print(s, flush=True))
     replaced = {(r["path"], r["layers"], r["context"]) for r in new}
     records = [r for r in old if (r["path"], r["layers"], r["context"]) not in replaced] + new
-    md = context_kv_markdown(records, diagnostics, dtype=args.dtype, command="python -m dflash_lab.tools.bench context-kv "
-                             "(+ --small-n)", shapes_note="drafter hidden 2048, 8 KV heads x head_dim 128 (Laguna-XS.2 shapes)")
+    md = context_kv_markdown(records, diagnostics, dtype=args.dtype,
+                             command="python -m dflash_lab.tools.bench context-kv (+ --small-n)",
+                             shapes_note="drafter hidden 2048, 8 KV heads x head_dim 128 (Laguna-XS.2 shapes)")
     paths = write_results(out, "context_kv", records, md)
     print("\n".join(small_n_markdown(records)))
     print("wrote", *paths)
@@ -166,17 +169,21 @@ def context_kv(args) -> int:
     quick = args.quick
     layers = args.layers or ([1, 2] if quick else [1, 3, 5, 8])
     contexts = args.contexts or ([64, 256] if quick else [1024, 8192, 32768])
-    shape = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64, intermediate_size=128) if quick else {}
+    tiny = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64, intermediate_size=128)
+    shape = tiny if quick else {}
     fused = kernels.fused_available(torch.empty(0, device=device))
     compiled = not args.no_compile and (device.type == "cuda" or not quick)
     print(f"context-kv on {device_name(device)}: L={layers} N={contexts} {args.dtype}; "
-          f"folded_triton {'on' if fused else 'off (no CUDA/Triton)'}; torch.compile {'on' if compiled else 'off'}", flush=True)
+          f"folded_triton {'on' if fused else 'off (no CUDA/Triton)'}; "
+          f"torch.compile {'on' if compiled else 'off'}", flush=True)
     out, stem = Path(args.out), "context_kv_quick" if quick else "context_kv"
     records, diagnostics = run_context_kv(
         layers=layers, contexts=contexts, device=device, dtype=dtype, compiled=compiled, fused=fused,
-        progress=lambda s: print(s, flush=True), checkpoint=lambda r, d: write_results(out, stem + "_partial", r), **shape)
+        progress=lambda s: print(s, flush=True),
+        checkpoint=lambda r, d: write_results(out, stem + "_partial", r), **shape)
     command = "python -m dflash_lab.tools.bench context-kv" + (" --quick" if quick else "")
-    note = "drafter hidden {hidden_size}, {num_key_value_heads} KV heads x head_dim {head_dim}".format(**{**XS2, **shape})
+    note = ("drafter hidden {hidden_size}, {num_key_value_heads} KV heads x head_dim {head_dim}"
+            .format(**{**XS2, **shape}))
     md = context_kv_markdown(records, diagnostics, dtype=args.dtype, command=command,
                              shapes_note=note + ("" if quick else " (Laguna-XS.2 shapes)"))
     paths = write_results(out, stem, records, md)
@@ -196,6 +203,7 @@ def add_command(subparsers) -> None:
     p.add_argument("--device", help="default: $DFLASH_LAB_DEVICE, else cuda when present")
     p.add_argument("--no-compile", action="store_true", help="skip torch.compile of the batched path")
     p.add_argument("--small-n", action="store_true",
-                   help="only the decode-time sizes (L=5, N=16/128/1024), eager and graphed; rows added to context_kv.json")
+                   help="only the decode-time sizes (L=5, N=16/128/1024), eager and graphed; "
+                        "rows added to context_kv.json")
     p.add_argument("--out", default=str(BENCHMARKS_DIR), help="output folder (default benchmarks/)")
     p.set_defaults(func=context_kv)

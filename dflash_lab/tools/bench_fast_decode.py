@@ -13,8 +13,9 @@ from ..measure.decoding import METHODS, PROMPT_SETS, records_of
 # prompt set -> (its name in prose, what it is)
 PROMPT_SET_TEXT = {
     "heldout": ("held-out", "`checkpoints/heldout_prompts.json`: standard-library code neither model trained on"),
-    "docstring": ("docstring-first", "`checkpoints/docstring_prompts.json`, `corpus.cut_docstring_prompts`: a function's "
-                                     "signature and docstring from the same held-out files; the continuation is its body, "
+    "docstring": ("docstring-first", "`checkpoints/docstring_prompts.json`, `corpus.cut_docstring_prompts`: "
+                                     "a function's signature and docstring from the same held-out files; the "
+                                     "continuation is its body, "
                                      "new code the prompt does not contain"),
 }
 
@@ -69,7 +70,8 @@ def fast_markdown(records, phases=None, *, n_prompts, max_new_tokens) -> list[st
         if not rs:
             continue
         name, what = PROMPT_SET_TEXT[prompt_set]
-        runs = ", ".join(sorted({f"graphs {'on' if r['cuda_graphs'] else 'off'}: {r.get('measured', '?')}" for r in rs}))
+        runs = ", ".join(sorted({f"graphs {'on' if r['cuda_graphs'] else 'off'}: {r.get('measured', '?')}"
+                                 for r in rs}))
         lines += ["", f"### {name[0].upper() + name[1:]} prompts", "",
                   f"{_per_set(n_prompts, prompt_set)} {name} prompts ({what}) x {_per_set(max_new_tokens, prompt_set)} "
                   f"new tokens. Runs: {runs}.", ""]
@@ -77,14 +79,17 @@ def fast_markdown(records, phases=None, *, n_prompts, max_new_tokens) -> list[st
         same = [f"{r['method']} b{r['block_size']} batch {r['batch']}: {r['outputs_equal_graphs_off']}"
                 for r in rs if r["cuda_graphs"] and r.get("outputs_equal_graphs_off")]
         if same:
-            lines += ["", "Graphed output equal to the same kernels launched eagerly (prompts): " + "; ".join(same) + "."]
+            lines += ["", "Graphed output equal to the same kernels launched eagerly (prompts): "
+                      + "; ".join(same) + "."]
     if phases:
-        lines += ["", "### Where a step's time goes (held-out prompts, batch 1, each phase its own graph, ms per step)", "",
+        lines += ["", "### Where a step's time goes (held-out prompts, batch 1, each phase its own graph, "
+                  "ms per step)", "",
                   "| method | block | steps | draft | verify | context K/V append | accept | whole step, one graph "
                   "| prefill per generation |", "|---|---|---|---|---|---|---|---|---|"]
         cell = lambda p, k: f"{p[k]:.3f}" if p.get(k) is not None else "-"  # noqa: E731 (older runs lack the last two)
         for m, p in phases.items():
             lines.append(f"| {m} | {p['block_size']} | {p['steps']} | {p['draft_ms_per_step']:.3f} | "
-                         f"{p['verify_ms_per_step']:.3f} | {p['append_ms_per_step']:.3f} | {p['accept_ms_per_step']:.3f} | "
+                         f"{p['verify_ms_per_step']:.3f} | {p['append_ms_per_step']:.3f} | "
+                         f"{p['accept_ms_per_step']:.3f} | "
                          f"{cell(p, 'whole_step_ms')} | {cell(p, 'prefill_ms_per_generation')} |")
     return lines

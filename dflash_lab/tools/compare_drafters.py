@@ -33,7 +33,8 @@ def main(argv=None) -> None:
     rows = []
     for method, proposer in (("DFlash", drafter), ("prompt lookup", "ngram")):
         for block in args.block_sizes:
-            stats, _ = generate_on_prompts(target, proposer, prompts, max_new_tokens=args.max_new_tokens, block_size=block,
+            stats, _ = generate_on_prompts(target, proposer, prompts, max_new_tokens=args.max_new_tokens,
+                                           block_size=block,
                                            temperature=args.temperature, seed=0, desc=f"{method}, block {block}")
             rows.append({"method": method, "block_size": block, **stats.summary(),
                          "target_forwards_per_token": round(stats.target_forwards_per_token, 3)})

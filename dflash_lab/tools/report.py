@@ -275,7 +275,8 @@ def index_html(entries: list[Entry]) -> str:
 <html lang="en"><head><meta charset="utf-8"><title>dflash_lab notebooks</title>
 <style>
 body {{ font-family: system-ui, sans-serif; margin: 2em; }}
-table {{ border-collapse: collapse; }} td, th {{ border-bottom: 1px solid #ddd; padding: 6px 12px; text-align: left; vertical-align: top; }}
+table {{ border-collapse: collapse; }}
+td, th {{ border-bottom: 1px solid #ddd; padding: 6px 12px; text-align: left; vertical-align: top; }}
 .failed {{ color: #c62828; font-weight: bold; }} pre {{ font-size: 11px; max-width: 70em; overflow: auto; }}
 </style></head><body>
 <h1>dflash_lab notebooks</h1>

@@ -74,10 +74,12 @@ def widget_html(model_id: str, models: dict, figures: dict, _depth: int = 0) -> 
         parts = []
         for i, c in enumerate(state.get("children", [])):
             title = titles[i] if i < len(titles) and titles[i] else f"{i}"
-            parts.append(f'<div class="dflash-w-tab"><div class="dflash-w-tab-title">{esc(title)}</div>{child(c)}</div>')
+            parts.append(f'<div class="dflash-w-tab"><div class="dflash-w-tab-title">{esc(title)}</div>'
+                         f'{child(c)}</div>')
         return f'<div class="dflash-w-tabs">{"".join(parts)}</div>'
     if name == "OutputModel":
-        return f'<div class="dflash-w-output">{"".join(output_html(o, figures) for o in state.get("outputs", []))}</div>'
+        outputs = "".join(output_html(o, figures) for o in state.get("outputs", []))
+        return f'<div class="dflash-w-output">{outputs}</div>'
     if name in ("HTMLModel", "HTMLMathModel"):
         return f'<div class="dflash-w-html">{_label(state)}{state.get("value", "")}</div>'
     if name == "LabelModel":
@@ -124,7 +126,8 @@ def output_html(output: dict, figures: dict) -> str:
     if kind == "stream":
         return f'<pre class="dflash-w-stream">{html.escape(output.get("text", ""))}</pre>'
     if kind == "error":
-        return f'<pre class="dflash-w-stream">{html.escape(ANSI.sub("", chr(10).join(output.get("traceback", []))))}</pre>'
+        traceback = ANSI.sub("", "\n".join(output.get("traceback", [])))
+        return f'<pre class="dflash-w-stream">{html.escape(traceback)}</pre>'
     data = output.get("data", {})
     if PLOTLY_MIME in data:
         return figure_html(data[PLOTLY_MIME])

@@ -1,4 +1,5 @@
-"""`python -m dflash_lab.train tokenizer|corpus|target|distill|drafter|evaluate`: options, then the stage's run_* function."""
+"""`python -m dflash_lab.train tokenizer|corpus|target|distill|drafter|evaluate`: options, then the stage's
+run_* function."""
 
 from __future__ import annotations
 
@@ -23,7 +24,8 @@ CAUSAL_CHOICES = {"auto": None, "true": True, "false": False}  # --causal: auto 
 def add_common_options(sp) -> None:
     sp.add_argument("--seed", type=int, default=0)
     sp.add_argument("--corpus", default=None,
-                    help="corpus root directory, or a corpus pack (`corpus` command; default: this interpreter's stdlib)")
+                    help="corpus root directory, or a corpus pack (`corpus` command; "
+                         "default: this interpreter's stdlib)")
     sp.add_argument("--prompts", default=str(HELDOUT_PROMPTS), help="held-out prompt JSON")
     sp.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     sp.add_argument("--time-budget", type=float, default=None, help="seconds for the whole command")
@@ -69,7 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--layers", type=int, default=None,
                     help=f"drafter depth (default {DrafterTrainConfig.num_layers}; with --init: its depth, or fewer)")
     sp.add_argument("--intermediate-size", type=int, default=None,
-                    help=f"MLP width (default {DrafterTrainConfig.intermediate_size}; with --init: its width, or wider)")
+                    help=f"MLP width (default {DrafterTrainConfig.intermediate_size}; "
+                         "with --init: its width, or wider)")
     sp.add_argument("--attention", choices=sorted(ATTENTION_PRESETS), default=None,
                     help="paper: full attention, non-causal; poolside: sliding window 64, causal "
                          "(sets the three options below, which still override it)")
@@ -91,7 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="share of blocks trained at a random shorter length (serves smaller block sizes)")
     sp.add_argument("--init", default=None, help="continue training this drafter checkpoint")
     sp.add_argument("--gen-fraction", type=float, default=0.25, help="share of the time budget for data generation")
-    sp.add_argument("--eval-prompts", type=int, default=corpus.NUM_PROMPTS, help="held-out prompts to evaluate on (0: none)")
+    sp.add_argument("--eval-prompts", type=int, default=corpus.NUM_PROMPTS,
+                    help="held-out prompts to evaluate on (0: none)")
     sp.add_argument("--eval-blocks", default=str(DEFAULT_BLOCK_SIZE), help="comma-separated block sizes to evaluate")
     sp.set_defaults(func=run_drafter)
 
@@ -113,7 +117,8 @@ def add_distill_options(sp) -> None:
     sp.add_argument("--gen-batch", type=int, default=DistillConfig.gen_batch)
     sp.add_argument("--min-distinct", type=int, default=DistillConfig.min_distinct,
                     help="drop continuations with fewer distinct tokens (degenerate repetition)")
-    sp.add_argument("--data", default=None, help="self-distillation data file (.safetensors): read if present, else written")
+    sp.add_argument("--data", default=None,
+                    help="self-distillation data file (.safetensors): read if present, else written")
     sp.add_argument("--prefix-sources", default=None,
                     help="where prefixes come from, as stream=share pairs, e.g. distill=0.5,train_stdlib=0.5 "
                          "(streams: train, distill and their *_stdlib parts; default distill=0.5,train=0.5)")

@@ -44,7 +44,8 @@ def greedy_generate(target, ids: torch.Tensor, n: int) -> torch.Tensor:
 def ensure_experts_implementation(model, example: torch.Tensor, *, backward: bool) -> str:
     """Use transformers' grouped-GEMM MoE where this torch supports it, else the per-expert loop."""
     try:
-        with torch.autocast(example.device.type, dtype=torch.bfloat16, enabled=backward and example.device.type == "cuda"):
+        on_gpu = example.device.type == "cuda"
+        with torch.autocast(example.device.type, dtype=torch.bfloat16, enabled=backward and on_gpu):
             out = model(input_ids=example)
         if backward:
             out.logits.float().mean().backward()

@@ -107,7 +107,8 @@ def train_drafter(target, data: dict, cfg: DrafterTrainConfig, continuation: int
 
 
 def _train_drafter(target, data, cfg, continuation, clock, device, init, callback, show_progress):
-    gen = seed_everything(cfg.seed, deterministic=False)  # training keeps torch's fastest kernels, as the shipped run did
+    # training keeps torch's fastest kernels, as the shipped run did
+    gen = seed_everything(cfg.seed, deterministic=False)
     if init is not None:
         drafter = init.to(device=device, dtype=torch.float32).train()
         for p in drafter.parameters():
@@ -197,7 +198,8 @@ def distill_config(args) -> DistillConfig:
         try:
             sources = {k.strip(): float(v) for k, v in (pair.split("=") for pair in args.prefix_sources.split(","))}
         except ValueError:
-            raise ValueError(f"--prefix-sources must look like distill=0.5,train=0.5, got {args.prefix_sources!r}") from None
+            raise ValueError(f"--prefix-sources must look like distill=0.5,train=0.5, "
+                             f"got {args.prefix_sources!r}") from None
     return DistillConfig(num_sequences=args.num_sequences, continuation=args.continuation, gen_batch=args.gen_batch,
                          min_distinct=args.min_distinct, seed=args.seed + 1, sources=sources)
 
@@ -237,7 +239,8 @@ def run_drafter(args) -> None:
     prompts = corpus.load_prompts(args.prompts)
     target = load_frozen_target(args.target, device)
     if args.data and Path(args.data).is_file():
-        data, data_stats = load_distill_data(args.data), {"loaded_from": str(args.data), **load_distill_stats(args.data)}
+        data = load_distill_data(args.data)
+        data_stats = {"loaded_from": str(args.data), **load_distill_stats(args.data)}
     else:
         gen_budget = None if args.time_budget is None else args.gen_fraction * clock.left()
         data, data_stats = make_distill_data(args, target, tokenizer, prompts, gen_budget)

@@ -88,7 +88,8 @@ class AcceptanceEval:
         return 1 + sum(self.every_anchor_rate)
 
     def record(self) -> dict:
-        """For a training log: the settings, the counters and their rates (``SpecDecodeStats.from_dict`` reads it back)."""
+        """For a training log: the settings, the counters and their rates (``SpecDecodeStats.from_dict`` reads it
+        back)."""
         s = self.stats
         return {"block_size": self.block_size, "max_new_tokens": self.max_new_tokens, "num_prompts": self.num_prompts,
                 "num_drafts": s.num_drafts, "num_draft_tokens": s.num_draft_tokens,
@@ -122,10 +123,12 @@ def evaluate_acceptance(target, drafter, tokenizer, prompts: list[dict], *, bloc
             drafts = drafts_at_every_anchor(target, drafter, g, P, max_new_tokens, bs)  # (max_new_tokens, k)
             per_prompt[bs].append(replay_greedy_decoding(
                 g, drafts, P, max_new_tokens, SpecDecodeStats(num_accepted_tokens_per_pos=[0] * k)))
-            argmax = torch.stack([g[P + a + 1: P + a + 2 + k] for a in range(max_new_tokens)])  # the target after each anchor
+            # the target after each anchor
+            argmax = torch.stack([g[P + a + 1: P + a + 2 + k] for a in range(max_new_tokens)])
             n, _ = greedy_accept_batch(drafts, argmax)  # every anchor's draft, verified as the decoder would
             every_anchor[bs] += (torch.arange(k, device=n.device) < n[:, None]).sum(0).double().cpu()
-    return {bs: AcceptanceEval(bs, max_new_tokens, len(prompts), sum(runs, SpecDecodeStats(num_accepted_tokens_per_pos=[0] * (bs - 1))),
+    return {bs: AcceptanceEval(bs, max_new_tokens, len(prompts),
+                               sum(runs, SpecDecodeStats(num_accepted_tokens_per_pos=[0] * (bs - 1))),
                                (every_anchor[bs] / (max_new_tokens * len(prompts))).tolist(), runs)
             for bs, runs in per_prompt.items()}
 

@@ -54,7 +54,8 @@ def distill_small(target, tokenizer, *, num_sequences: int, prefix_lengths=(64,)
     """
     cfg = DistillConfig(prefix_lengths=tuple(prefix_lengths), continuation=continuation, num_sequences=num_sequences,
                         gen_batch=gen_batch or num_sequences, distill_share=1.0, seed=seed)
-    return build_distill_data(target, tokenizer, prefix_streams(tokenizer, max_files=max_files), cfg, show_progress=False)
+    streams = prefix_streams(tokenizer, max_files=max_files)
+    return build_distill_data(target, tokenizer, streams, cfg, show_progress=False)
 
 
 # The drafter's reader of the target: ``combine_hidden_states`` (a norm per target layer, ``fc``, a norm).

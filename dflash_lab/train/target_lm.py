@@ -142,7 +142,8 @@ def train_target(vocab_size: int, streams: dict, cfg: TargetTrainConfig, device:
                  time_budget: float | None = None, config_overrides: dict | None = None):
     """Train a tiny LagunaForCausalLM; return (model with the best held-out state, log dict)."""
     clock = Clock(time_budget)
-    gen = seed_everything(cfg.seed, deterministic=False)  # training keeps torch's fastest kernels, as the shipped run did
+    # training keeps torch's fastest kernels, as the shipped run did
+    gen = seed_everything(cfg.seed, deterministic=False)
     model_cfg = tiny_laguna_config(vocab_size, **(config_overrides or {}))
     model = build_target(model_cfg, seed=cfg.seed).to(device).train()
     autocast = device.type == "cuda"
@@ -243,7 +244,8 @@ def run_target(args) -> None:
     print({k: v.size for k, v in streams.items()}, f"tokens; {clock.elapsed():.0f}s")
     cfg = TargetTrainConfig(epochs=args.epochs, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
                             seed=args.seed)
-    model, log = train_target(len(tokenizer), streams, cfg, device, time_budget=clock.left() - 15 if args.time_budget else None)
+    budget = clock.left() - 15 if args.time_budget else None
+    model, log = train_target(len(tokenizer), streams, cfg, device, time_budget=budget)
     log["wall_seconds"] = clock.elapsed()
     log["corpus"] = corpus_record(args.corpus, streams)
     log["samples"] = [{"prompt": p["text"][-200:], "continuation": sample_text(model, tokenizer, p["text"])}
@@ -262,7 +264,8 @@ def run_target(args) -> None:
     f = log["final"]
     print(f"target: {log['steps']} steps ({log['epochs_seen']:.2f} epochs) in {log['train_seconds']:.0f}s, "
           f"{log['throughput_tokens_per_s'] / 1e3:.0f}k tok/s; held-out loss {f['heldout_loss']:.3f} "
-          f"(ppl {f['heldout_perplexity']:.1f}; stdlib only: ppl {f.get('heldout_stdlib_perplexity', float('nan')):.1f}), "
+          f"(ppl {f['heldout_perplexity']:.1f}; "
+          f"stdlib only: ppl {f.get('heldout_stdlib_perplexity', float('nan')):.1f}), "
           f"distill {f['distill_loss']:.3f}, train {f['train_loss']:.3f}")
     for s in log["samples"]:
         print("---- prompt end:", repr(s["prompt"][-80:]), "\n---- greedy:", repr(s["continuation"]))

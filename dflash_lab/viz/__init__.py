@@ -54,7 +54,8 @@ from dflash_lab.viz.verification import tau_interval_figure, verification_rates_
 
 __all__ = [
     "PALETTE", "METHOD_COLORS", "METHOD_COLOR_NAMES", "method_color", "save_figure",
-    "PARAMETER_GROUPS", "answer_table", "html_table", "layer_table_html", "parameter_bars_figure", "parameter_table_html",
+    "PARAMETER_GROUPS", "answer_table", "html_table", "layer_table_html", "parameter_bars_figure",
+    "parameter_table_html",
     "rope_table_html", "visibility_mask_figure",
     "context_kv_head_norms_figure", "context_kv_norms_figure", "context_kv_path_figure", "k_norm_effect_figure",
     "TOKEN_COLORS", "acceptance_length_histogram", "acceptance_sweep_figure", "acceptance_tokens_html",

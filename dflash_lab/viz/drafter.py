@@ -86,10 +86,12 @@ def layer_table_html(layers) -> str:
     body = []
     for L in layers:
         causal = "causal (query j sees block keys 0..j)" if L["causal"] else "not causal (whole block)"
-        window = "none" if L["window"] is None else (f"last {L['window']}" if L["causal"] else f"±{L['window']} (symmetric)")
+        window = ("none" if L["window"] is None
+                  else f"last {L['window']}" if L["causal"] else f"±{L['window']} (symmetric)")
         body.append((f"<code>{html.escape(L['name'])}</code>", L["layer_type"], f"<b>{causal}</b>",
                      html.escape(L["rule"]), window, f"{L['rope_theta']:g}", L["rotary"]))
-    return html_table(["vLLM attention layer", "layer type", "inside the block", "decided by", "window", "RoPE θ served",
+    return html_table(["vLLM attention layer", "layer type", "inside the block", "decided by", "window",
+                       "RoPE θ served",
                        "rotated channels"], body)
 
 

@@ -51,7 +51,8 @@ def context_kv_timing_figure(records, *, layers: int = 5, highlight: str | None 
     ms = {(r["path"], r["context"]): r["ms"] for r in rows}
     floor = [ms.get(("gemm_floor", n)) for n in contexts]
     xs = [_tokens_label(n) for n in contexts]
-    fig = make_subplots(rows=1, cols=2, subplot_titles=("median time (ms)", "time / GEMM floor"), horizontal_spacing=0.1)
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("median time (ms)", "time / GEMM floor"),
+                        horizontal_spacing=0.1)
     all_ms, all_ratio = [], []
     for path, (label, colour) in CONTEXT_KV_PATH_STYLE.items():
         ys = [ms.get((path, n)) for n in contexts]

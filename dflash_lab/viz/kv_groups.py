@@ -55,7 +55,8 @@ def kv_group_layout_figure(rows, *, title: str | None = None, warning: str | Non
     crossed out in red.
     """
     labels = [
-        f"g{r.index} · {r.kv_block_size} tok/block · {_kib(r.page_size_bytes)}/page" + ("  ⚑ DRAFT" if r.is_draft_group else "")
+        f"g{r.index} · {r.kv_block_size} tok/block · {_kib(r.page_size_bytes)}/page"
+        + ("  ⚑ DRAFT" if r.is_draft_group else "")
         for r in rows
     ]
     cells: dict[str, dict[str, list]] = {}

@@ -13,7 +13,8 @@ from plotly.subplots import make_subplots
 
 from dflash_lab.viz.common import PALETTE, method_color, titled
 
-METHOD_LABELS = {"dflash": "DFlash", "dflash_poolside": "DFlash (Poolside-style drafter)", "prompt_lookup": "prompt lookup",
+METHOD_LABELS = {"dflash": "DFlash", "dflash_poolside": "DFlash (Poolside-style drafter)",
+                 "prompt_lookup": "prompt lookup",
                  "target_only": "plain greedy"}
 # phase key -> (label, colour), in the order a step runs them
 PHASE_STYLE = {
@@ -97,7 +98,8 @@ def step_time_figure(phases: dict, *, taus: dict | None = None, title: str | Non
     if not phases:
         raise ValueError("phases is empty: pass benchmarks/spec_decode.json's 'phases'")
     methods = list(phases)
-    ys = [METHOD_LABELS.get(m, m) + (f", block {phases[m]['block_size']}" if m != "target_only" else "") for m in methods]
+    ys = [METHOD_LABELS.get(m, m) + (f", block {phases[m]['block_size']}" if m != "target_only" else "")
+          for m in methods]
     ms_of = {m: {k: phases[m][f"{k}_ms_per_step"] for k in PHASE_STYLE} for m in methods}
     for m in methods:  # without a drafter the "draft" phase only sets the block's positions: bookkeeping
         if not has_drafter(m):
@@ -106,7 +108,8 @@ def step_time_figure(phases: dict, *, taus: dict | None = None, title: str | Non
     fig = go.Figure()
     for key, (label, colour) in PHASE_STYLE.items():
         ms = [ms_of[m][key] for m in methods]
-        fig.add_trace(go.Bar(y=ys, x=ms, orientation="h", name=label, marker=dict(color=colour, line=dict(color="black", width=0.5)),
+        fig.add_trace(go.Bar(y=ys, x=ms, orientation="h", name=label,
+                             marker=dict(color=colour, line=dict(color="black", width=0.5)),
                              hovertemplate=f"%{{y}}: {label} %{{x:.3f}} ms per step<extra></extra>"))
     for y, m in zip(ys, methods):
         total = sum(ms_of[m].values())

@@ -45,7 +45,8 @@ def _title(evals, label: str) -> str:
             f"{after.mean_acceptance_length:.2f} at step {s1}")
 
 
-def live_training_figure(loss_curve=(), evals=(), *, label: str = "drafter", total_steps: int | None = None) -> go.Figure:
+def live_training_figure(loss_curve=(), evals=(), *, label: str = "drafter",
+                         total_steps: int | None = None) -> go.Figure:
     """Loss, held-out τ and per-position acceptance of a drafter in training.
 
     loss_curve: the training log's ``loss_curve`` ([step, loss, lr] rows);

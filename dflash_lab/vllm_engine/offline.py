@@ -158,7 +158,8 @@ def run_offline(prompts, runs, *, max_new_tokens: int = 64, seed: int = 0, targe
                    if r.method == "dflash" else None for r in runs}
     python = vllm_python(venv)
     hybrid_off = {name: bool(disable_hybrid_kv_cache_manager) if disable_hybrid_kv_cache_manager is not None
-                  else d is not None and needs_hybrid_manager_disabled(target_dir, d) for name, d in run_drafter.items()}
+                  else d is not None and needs_hybrid_manager_disabled(target_dir, d)
+                  for name, d in run_drafter.items()}
     longest = max(len(p) + run_tokens[r.name] + r.num_speculative_tokens + 1 for r in runs for p in run_prompts[r.name])
     job = {"target": str(target_dir),
            "dtype": dtype, "max_model_len": max_model_len or max(512, longest),
@@ -193,8 +194,10 @@ def run_offline(prompts, runs, *, max_new_tokens: int = 64, seed: int = 0, targe
                                   f"{process.failure_summary()}")
         result = json.loads(result_path.read_text())
     sizes = {run.name: run.num_speculative_tokens for run in runs}
-    return {r["name"]: EngineResult(name=r["name"], outputs=r["outputs"], stats=_stats(r["metrics_before"], r["metrics_text"]),
-                                    metrics_text=r["metrics_text"], per_prompt=_per_prompt(r["steps"], sizes[r["name"]]),
+    return {r["name"]: EngineResult(name=r["name"], outputs=r["outputs"],
+                                    stats=_stats(r["metrics_before"], r["metrics_text"]),
+                                    metrics_text=r["metrics_text"],
+                                    per_prompt=_per_prompt(r["steps"], sizes[r["name"]]),
                                     engine_start_s=r["engine_start_s"], generate_s=r["generate_s"],
                                     vllm_version=result["vllm_version"], shim=result["shim"],
                                     hybrid_manager_disabled=hybrid_off[r["name"]], drafter=run_drafter[r["name"]])

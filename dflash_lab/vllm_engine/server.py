@@ -94,7 +94,8 @@ class VLLMServer:
                 return json.loads(r.read())
         except urllib.error.HTTPError as e:
             detail = e.read().decode(errors="replace")[:2000]
-            raise VLLMEngineError(f"POST {path} answered {e.code}: {detail}\n{self.process.failure_summary()}") from None
+            raise VLLMEngineError(
+                f"POST {path} answered {e.code}: {detail}\n{self.process.failure_summary()}") from None
 
     def metrics_text(self) -> str:
         """The server's /metrics page (Prometheus text)."""
@@ -119,7 +120,8 @@ class VLLMServer:
 
 
 @contextmanager
-def serve(*, num_speculative_tokens: int = 15, method: str = "dflash", target=None, drafter=None, port: int | None = None,
+def serve(*, num_speculative_tokens: int = 15, method: str = "dflash", target=None, drafter=None,
+          port: int | None = None,
           dtype: str = "float32", max_model_len: int = 512, enforce_eager: bool = True, shim: bool = True,
           venv=None, timeout_s: float = 600.0, progress: bool = True, echo=None, extra_args=(),
           disable_hybrid_kv_cache_manager: bool | None = None):
@@ -145,7 +147,8 @@ def serve(*, num_speculative_tokens: int = 15, method: str = "dflash", target=No
     check_port_free(port)
     spec = speculative_config(method, num_speculative_tokens, drafter_dir)
     if disable_hybrid_kv_cache_manager is None:
-        disable_hybrid_kv_cache_manager = drafter_dir is not None and needs_hybrid_manager_disabled(target_dir, drafter_dir)
+        disable_hybrid_kv_cache_manager = (drafter_dir is not None
+                                           and needs_hybrid_manager_disabled(target_dir, drafter_dir))
     model_name = target_dir.name
     cmd = [str(python), "-m", API_SERVER_MODULE, "--model", str(target_dir),
            "--served-model-name", model_name, "--host", HOST, "--port", str(port), "--dtype", dtype,

@@ -86,7 +86,8 @@ def acceptance_explorer(target, drafter, prompt_sets: dict, *, tokenizer=None, e
         return results[k]
 
     def describe(stats, outputs):
-        tau = f"<b>{stats.mean_acceptance_length:.2f}</b> over {stats.num_drafts} drafts" if stats.num_drafts else "— (no drafts)"
+        tau = (f"<b>{stats.mean_acceptance_length:.2f}</b> over {stats.num_drafts} drafts" if stats.num_drafts
+               else "— (no drafts)")
         if temperature.value == 0:
             sampling = "greedy decoding (drafts are the argmax either way)"
         elif method.value == "prompt lookup":

@@ -50,7 +50,8 @@ def drafter_config_explorer(config: dict, *, target_config=None) -> widgets.VBox
     """
     sources = {"tiny": (config, target_config)}
     sources.update({name: DRAFTER_PRESETS[name] for name in PRESET_LABELS})
-    preset = widgets.Dropdown(options=[("this chapter's tiny drafter", "tiny")] + [(v, k) for k, v in PRESET_LABELS.items()],
+    preset = widgets.Dropdown(options=[("this chapter's tiny drafter", "tiny")]
+                              + [(v, k) for k, v in PRESET_LABELS.items()],
                               description="config", style=WIDE, layout=widgets.Layout(width="auto"))
     layers = widgets.IntSlider(min=1, max=8, description="layers", style=WIDE)
     layer_types = widgets.Dropdown(description="layer types", style=WIDE, layout=widgets.Layout(width="auto"), options=[

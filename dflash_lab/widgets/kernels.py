@@ -54,7 +54,8 @@ def fused_kernel_explorer(drafter, context, positions, records, *, layers: int =
                                  indent=False, layout=widgets.Layout(width="auto", margin="0 24px 0 0"),
                                  tooltip=f"The fused kernel {FUSED_NEEDS}; this machine runs {context.device.type} "
                                          f"tensors{'' if kernels.triton is not None else ' and has no Triton'}.")
-    dtype = widgets.ToggleButtons(options=list(CONTEXT_KV_DTYPES), value="float32", description="dtype", style=WIDE_BUTTONS)
+    dtype = widgets.ToggleButtons(options=list(CONTEXT_KV_DTYPES), value="float32", description="dtype",
+                                  style=WIDE_BUTTONS)
     depth = widgets.Dropdown(options=depths, value=layers if layers in depths else depths[-1],
                              description="timings for L", style=WIDE, layout=widgets.Layout(width="auto"))
     parity = widgets.HTML()
@@ -143,7 +144,8 @@ def window_acceptance_explorer(target, drafter, prompts, *, block_size: int = 8,
         w = mask.window.value if mask.sliding.value else None
         full, now = stats_for(None), stats_for(w)
         label = f"window {w}" if w is not None else "window off (= full)"
-        summary.value = (f"{len(prompts)} prompts × {max_new_tokens} tokens, block {block_size}: mean acceptance length "
+        summary.value = (f"{len(prompts)} prompts × {max_new_tokens} tokens, block {block_size}: "
+                         f"mean acceptance length "
                          f"<b>{now.mean_acceptance_length:.3f}</b> with {label}, {full.mean_acceptance_length:.3f} "
                          "with full attention")
         return viz.compare_acceptance_figure({"full attention": full, label: now},

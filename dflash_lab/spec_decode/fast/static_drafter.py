@@ -51,7 +51,8 @@ class StaticDrafter:
         self.kv.write(positions, k.unflatten(1, (B, Q)), v.unflatten(1, (B, Q)))
 
     def draft(self, last_token: torch.Tensor, start: torch.Tensor, block_size: int) -> torch.Tensor:
-        """Greedy drafts (B, block_size - 1) for blocks [last_token, MASK ...] at positions start .. start+block_size-1."""
+        """Greedy drafts (B, block_size - 1) for blocks [last_token, MASK ...] at positions
+        start .. start+block_size-1."""
         ids = draft_block_ids(last_token, block_size, self.drafter.config.mask_token_id)  # (B, Q)
         positions = start[:, None] + self.offsets[:block_size]  # (B, Q)
         hidden = self.drafter(self.embed(ids), positions, kv=self.kv, ops=triton_ops)  # (B, Q, H)

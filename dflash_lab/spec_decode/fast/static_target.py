@@ -169,7 +169,8 @@ class StaticTarget:
         self._grouped_ok = self.moe == "gathered" and grouped_usable(self.device, self.dtype)
         self.routing = None  # set to a list to record each sparse layer's expert choices (eager calls)
         self.layer_types = list(cfg.layer_types)
-        self.layers = [_prepare_layer(layer, t, cfg.sliding_window) for layer, t in zip(target.model.layers, self.layer_types)]
+        self.layers = [_prepare_layer(layer, t, cfg.sliding_window)
+                       for layer, t in zip(target.model.layers, self.layer_types)]
         nkv, hd = cfg.num_key_value_heads, self.layers[0].attn.head_dim
         shape = (batch, nkv, self.capacity, hd)
         self.cache = [(torch.zeros(shape, device=self.device, dtype=self.dtype),
