@@ -33,7 +33,6 @@ from .config_keys import (  # noqa: F401  (re-exported: the lab's readers of vLL
     config_key_table,
     layer_rope,
     mask_token_key,
-    resolve_rope_parameters,
     rope_resolution_table,
     target_layer_ids,
     top_partial_rotary,

@@ -123,12 +123,6 @@ def served_rope(entry: dict, head_dim: int) -> dict:
     return out
 
 
-def resolve_rope_parameters(d: dict) -> dict[str, dict]:
-    """Per layer type, the RoPE vLLM 0.33 runs for a drafter config ``d`` (get_rope's defaults filled in)."""
-    head_dim = d.get("head_dim") or (d.get("hidden_size", 128) // max(1, d.get("num_attention_heads", 1)))
-    return {t: served_rope(layer_rope(d, t)[0], head_dim) for t in LAYER_TYPES}
-
-
 def _file_rope_entry(d: dict, layer_type: str) -> dict:
     """What the file itself spells for ``layer_type`` (before any reader): the most specific key wins."""
     swa = d.get("swa_rope_parameters")
