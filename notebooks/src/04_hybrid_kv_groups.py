@@ -247,7 +247,7 @@ def rule_in_words(specs):
 
 
 verdict = ("**every drafter layer sits in one group**, with the target's full-attention layers"
-           if len(pair_split) == 1 else
+           if kv_groups.v1_refusal(pair, pair_groups) is None else  # vLLM V1's own one-group check
            f"**the drafter is split over {len(pair_split)} groups** ({' + '.join(map(str, pair_split))} layers)")
 display(Markdown(f"{PAIR[0].upper() + PAIR[1:]}: {rule_in_words(pair)}. So {verdict}."))
 
