@@ -299,9 +299,9 @@ def test_attention_options_vllm_cannot_serve_are_refused(kw, error):
 
 
 def _cli_config(*argv):
-    from dflash_lab.train.cli import build_parser, drafter_train_config
+    from dflash_lab.train.cli import build_parser, train_config_from_args
 
-    return drafter_train_config(build_parser().parse_args(["drafter", *argv]))
+    return train_config_from_args(build_parser().parse_args(["drafter", *argv]))
 
 
 def test_cli_attention_preset_and_overrides():

@@ -124,7 +124,7 @@ def add_distill_options(sp) -> None:
                          "(streams: train, distill and their *_stdlib parts; default distill=0.5,train=0.5)")
 
 
-def drafter_train_config(args) -> DrafterTrainConfig:
+def train_config_from_args(args) -> DrafterTrainConfig:
     """The drafter command's DrafterTrainConfig: --attention's preset with the options given on top
     (``DrafterTrainConfig.from_preset``, the one place they are merged), every field checked."""
     given = {"num_layers": args.layers, "intermediate_size": args.intermediate_size, "layer_type": args.layer_type,
@@ -141,6 +141,6 @@ def drafter_train_config(args) -> DrafterTrainConfig:
 def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
     if args.command == "drafter":
-        args.train_config = drafter_train_config(args)  # a bad option fails here, before any data is generated
+        args.train_config = train_config_from_args(args)  # a bad option fails here, before any data is generated
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
     args.func(args)

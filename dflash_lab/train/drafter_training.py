@@ -233,7 +233,7 @@ def run_distill(args) -> None:
 def run_drafter(args) -> None:
     """`python -m dflash_lab.train drafter`: self-distillation data, training, the checkpoint, evaluation."""
     clock = Clock(args.time_budget)
-    cfg = args.train_config  # cli.drafter_train_config: built and checked before minutes of data generation
+    cfg = args.train_config  # cli.train_config_from_args: built and checked before minutes of data generation
     device = resolve_device(args.device, caller="train drafter")
     tokenizer = load_tokenizer(args.target)
     prompts = corpus.load_prompts(args.prompts)
