@@ -11,7 +11,8 @@ also the layer order: a module imports only modules listed above it (tests/test_
     layers       RMSNorm and RoPE, the building blocks the drafter shares
     context_kv_kernel  the folded context-K/V path's fused Triton epilogue (GPU; CPU under Triton's interpreter)
     context_kv   the drafter's context K/V, three paths (reference, batched, folded) and one agreement rule
-    drafter      the DFlash drafter: combine_hidden_states, the attention mask, block drafting
+    block_attention  who a block query sees (vLLM's causality and window), the two K/V stores, the block's ids
+    drafter      the DFlash drafter: combine_hidden_states, context K/V, one block through its layers
     checkpoint   save/load in vLLM's DFlashLagunaForCausalLM layout (safetensors)
     pair_files   a pair's files checked before anything loads: shards, the index, both configs, the fit
     spec_decode  draft -> verify -> accept: proposers, accept rules, stats, /metrics, the loop; fast/ backend

@@ -30,7 +30,8 @@ from torch import nn
 
 from .config import DFlashDrafterConfig
 from .context_kv import compute_context_kv
-from .layers import RMSNorm, TorchOps, additive_mask, apply_rope, gqa_attention, grouped_mask, rope_tables
+from .block_attention import ConcatKV, SlotKV, dflash_attention_mask, draft_block_ids, visible_keys  # noqa: F401
+from .layers import RMSNorm, TorchOps, apply_rope, gqa_attention, grouped_mask, rope_tables
 
 # ---------------------------------------------------------------------------
 # Layers (Laguna-flavoured)
@@ -114,126 +115,6 @@ class DFlashDecoderLayer(nn.Module):
     def forward(self, h, cos, sin, keys_values, mask, ops=TorchOps):
         h = h + self.self_attn(ops.norm(self.input_layernorm, h), cos, sin, keys_values, mask, ops)
         return h + self.mlp(ops.norm(self.post_attention_layernorm, h), ops)
-
-
-# ---------------------------------------------------------------------------
-# Which keys a block query may see
-# ---------------------------------------------------------------------------
-
-
-def visible_keys(q_pos: torch.Tensor, k_pos: torch.Tensor, q_start: torch.Tensor, k_is_context: torch.Tensor,
-                 k_in_own_block: torch.Tensor, *, causal: bool, window: int | None) -> torch.Tensor:
-    """THE rule: which keys a block query sees. Every argument broadcasts to (B, Q, K); returns bool (B, Q, K).
-
-    q_pos / q_start: the query's position and its block's first position; k_pos: the key's position;
-    k_is_context: the key holds a context position (the target's features); k_in_own_block: the key
-    belongs to the query's own block. A query sees (a) context keys strictly before its block and
-    (b) its own block: all of it, or with ``causal`` the keys at or before itself (vLLM's
-    ``_dflash_layer_causal``, ``qwen3_dflash.py:62-73``: sliding layers are causal unless the config
-    says otherwise). A ``window`` limits compute, not the K/V store: |q - k| < window, which for a causal layer is
-    vLLM's one-sided (w, 0) and for a non-causal one ``_maybe_symmetrize_window``'s (w, w).
-    """
-    visible = (k_is_context & (k_pos < q_start)) | k_in_own_block
-    if causal:
-        visible = visible & (k_pos <= q_pos)
-    if window is not None:
-        visible = visible & ((q_pos - k_pos).abs() < window)
-    return visible
-
-
-def _block_starts(positions: torch.Tensor, block_size: int) -> torch.Tensor:
-    """(B, Q) first position of each query's block; Q = num_blocks * block_size, each block contiguous."""
-    B, Q = positions.shape
-    if Q % block_size:
-        raise ValueError(f"positions has {Q} block tokens, not a multiple of block_size {block_size}")
-    nb = Q // block_size
-    return positions.view(B, nb, block_size)[..., :1].expand(B, nb, block_size).reshape(B, Q)
-
-
-def dflash_attention_mask(positions: torch.Tensor, context_positions: torch.Tensor, block_size: int,
-                          window: int | None = None, *, causal: bool = False) -> torch.Tensor:
-    """``visible_keys`` for keys laid out as [context ; blocks]: bool (B, Q, N+Q).
-
-    ``positions`` (B, Q) holds Q = num_blocks * block_size block positions, each block
-    contiguous; ``context_positions`` (N,) or (B, N). This is ``ConcatKV``'s key layout.
-    """
-    B, Q = positions.shape
-    start = _block_starts(positions, block_size)[:, :, None]  # (B, Q, 1)
-    if context_positions.dim() == 1:
-        context_positions = context_positions.expand(B, -1)
-    N = context_positions.shape[1]
-    k_pos = torch.cat([context_positions, positions], dim=1)[:, None, :]  # (B, 1, N+Q)
-    block_id = torch.arange(Q, device=positions.device) // block_size
-    is_context = torch.arange(N + Q, device=positions.device) < N  # (N+Q,)
-    own = torch.cat([torch.zeros(Q, N, dtype=torch.bool, device=positions.device),
-                     block_id[:, None] == block_id[None, :]], dim=1)  # (Q, N+Q)
-    return visible_keys(positions[:, :, None], k_pos, start, is_context, own, causal=causal, window=window)
-
-
-# ---------------------------------------------------------------------------
-# Where the keys live: two K/V stores behind the one attention
-# ---------------------------------------------------------------------------
-
-
-class ConcatKV:
-    """Context K/V held beside the block: each layer attends to [context K/V ; block K/V].
-
-    For eager decoding and training (any number of blocks per row). k, v: (L, B, N, nkv, hd)
-    or (L, N, nkv, hd) (shared by every row); positions: (N,) or (B, N).
-    """
-
-    def __init__(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor):
-        self.k, self.v, self.positions = k, v, positions
-
-    def layer(self, i: int, positions: torch.Tensor):
-        k_ctx, v_ctx = self.k[i], self.v[i]
-        if k_ctx.dim() == 3:
-            B = positions.shape[0]
-            k_ctx, v_ctx = k_ctx.expand(B, -1, -1, -1), v_ctx.expand(B, -1, -1, -1)
-        return lambda k, v: (torch.cat([k_ctx, k], dim=1), torch.cat([v_ctx, v], dim=1))  # (B, N+Q, nkv, hd)
-
-    def mask(self, positions: torch.Tensor, block_size: int, *, causal: bool, window: int | None) -> torch.Tensor:
-        return dflash_attention_mask(positions, self.positions.to(positions.device), block_size, window, causal=causal)
-
-
-class SlotKV:
-    """Context K/V at slot == position of preallocated buffers k, v (L, B, S, nkv, hd), one block per row.
-
-    For the static, graphed path: ``write`` scatters context K/V at their positions' slots; each
-    layer writes the block's own K/V into slots t .. t+Q-1 in place and attends to the whole
-    buffer, the mask (``visible_keys`` in slot terms) hiding every slot that is neither context
-    before t nor this block. Slots past the accepted context may hold a rejected step's K/V:
-    they are hidden, and overwritten before any query can see them.
-    """
-
-    def __init__(self, k: torch.Tensor, v: torch.Tensor):
-        self.k, self.v = k, v
-        self.slots = torch.arange(k.shape[2], device=k.device)
-
-    def write(self, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k, v (L, B, Q, nkv, hd) of positions (B, Q), written at those slots."""
-        index = positions[None, :, :, None, None].expand_as(k)
-        self.k.scatter_(2, index, k)
-        self.v.scatter_(2, index, v)
-
-    def layer(self, i: int, positions: torch.Tensor):
-        index = positions[:, :, None, None].expand(*positions.shape, *self.k.shape[3:])  # (B, Q, nkv, hd)
-
-        def keys_values(k, v):  # the block's K/V (B, Q, nkv, hd) into its slots; every slot back
-            self.k[i].scatter_(1, index, k)
-            self.v[i].scatter_(1, index, v)
-            return self.k[i], self.v[i]
-        return keys_values
-
-    def mask(self, positions: torch.Tensor, block_size: int, *, causal: bool, window: int | None) -> torch.Tensor:
-        B, Q = positions.shape
-        if Q != block_size:
-            raise ValueError(f"SlotKV holds one block per row: got {Q} block tokens for block_size {block_size}")
-        start = positions[:, :1, None]  # (B, 1, 1): t, the context is slots < t
-        k_pos = self.slots[None, None, :]  # (1, 1, S): slot == position
-        own = (k_pos >= start) & (k_pos < start + Q)
-        visible = visible_keys(positions[:, :, None], k_pos, start, k_pos < start, own, causal=causal, window=window)
-        return additive_mask(visible, self.k.dtype)  # 0 / -inf: SDPA would convert a bool mask in every layer
 
 
 # ---------------------------------------------------------------------------
@@ -340,6 +221,27 @@ class DFlashLagunaDrafter(nn.Module):
             raise ValueError(f"positions must be ({context.shape[0]},), got {tuple(positions.shape)}")
         return compute_context_kv(self, context, positions, path, fused=fused)
 
+    def context_kv(self, aux: torch.Tensor, positions: torch.Tensor, path: str = "folded", *, ops=TorchOps):
+        """Steps 1 and 2 together: target aux features (N, n_aux * H_t) at positions (N,) -> K, V (L, N, nkv, hd).
+
+        What every backend appends to its context store, and what training attends to.
+        """
+        return self.precompute_context_kv(self.combine_hidden_states(aux, ops=ops), positions, path)
+
+    def block_logits(self, target, first: torch.Tensor, positions: torch.Tensor, *, from_slot: int = 1,
+                     **forward_kwargs) -> torch.Tensor:
+        """Blocks [x_t, MASK x (Q-1)] through the target's embedding table, the drafter and the target's lm_head.
+
+        first: (B, A) the x_t of A blocks per row; positions: (B, A*Q) their slots' positions.
+        Returns (B, A, Q - from_slot, V): slot j >= 1 predicts the token AT t+j (slot 0 only matters in training).
+        ``forward_kwargs`` go to ``forward`` (the context K/V or ``kv=``, ``mask``, ``ops``).
+        """
+        B, A = first.shape
+        Q = positions.shape[1] // A
+        ids = draft_block_ids(first, Q, self.config.mask_token_id).flatten(1)  # (B, A*Q)
+        hidden = self(target.get_input_embeddings()(ids), positions, block_size=Q, **forward_kwargs)
+        return target.lm_head(hidden.unflatten(1, (A, Q))[:, :, from_slot:])
+
     # --- step 3: one block through the drafter ----------------------------------
     def forward(self, noise_embeds: torch.Tensor, positions: torch.Tensor, context_k: torch.Tensor | None = None,
                 context_v: torch.Tensor | None = None, context_positions: torch.Tensor | None = None, *,
@@ -371,16 +273,6 @@ class DFlashLagunaDrafter(nn.Module):
         for i, layer in enumerate(self.layers):
             h = layer(h, cos, sin, kv.layer(i, positions), mask, ops)
         return ops.norm(self.norm, h)
-
-
-def draft_block_ids(first: torch.Tensor, block_size: int, mask_token_id: int) -> torch.Tensor:
-    """The drafter's input block [x_t, MASK x (B-1)] for every x_t in ``first`` (...,) -> (..., B).
-
-    Every backend and the training objective build their blocks here.
-    """
-    block = torch.full((*first.shape, block_size), mask_token_id, dtype=torch.long, device=first.device)
-    block[..., 0] = first
-    return block
 
 
 def with_window(drafter: DFlashLagunaDrafter, window: int | None) -> DFlashLagunaDrafter:

@@ -22,7 +22,8 @@ from dflash_lab.config import DFlashDrafterConfig
 from dflash_lab.drafter import DFlashLagunaDrafter
 from dflash_lab.spec_decode import speculative_generate
 from dflash_lab.measure.decoding import phase_times
-from dflash_lab.spec_decode.fast.decoder import FastDecoder, fast_generate, fast_generate_batch
+from dflash_lab.spec_decode.fast.decoder import FastDecoder
+from dflash_lab.spec_decode.fast.generate import fast_generate, fast_generate_batch
 from dflash_lab.spec_decode.fast.cuda_graphs import GraphedStep
 from dflash_lab.spec_decode.fast.static_target import StaticTarget
 from dflash_lab.target import build_target, target_forward, tiny_laguna_config
@@ -178,10 +179,21 @@ def test_prompts_are_prefilled_padded_to_a_step_and_the_pads_are_never_seen(smal
     assert dec.prefill_width(10_000) == dec.tgt.capacity  # never past the cache
 
 
-def test_too_long_a_generation_is_refused_by_name(small_pair):
+def test_generation_ends_at_max_position_embeddings_as_on_the_eager_loop(small_pair):
+    """Eager and fast paths agree at the length limit: both stop there (vLLM: max_model_len), drafts near it
+    clamped so that block positions stay below it; the same tokens and the same counts."""
     target, drafter = small_pair
+    max_pos = target.config.max_position_embeddings
+    prompt = torch.randint(10, 500, (max_pos - 37,), generator=torch.Generator().manual_seed(5))
+    for d in (drafter, "ngram", None):
+        block = None if d is None else 8
+        fast = fast_generate(target, d, prompt, max_new_tokens=300, block_size=block, cuda_graphs=False)
+        eager = speculative_generate(target, d, prompt[None], max_new_tokens=300, block_size=block)
+        assert fast.output_ids.shape[1] == max_pos and torch.equal(fast.output_ids, eager.output_ids)
+        if d is not None:  # (no drafter: the eager loop's block is 2, the fast path's 1)
+            assert counters(fast.stats) == counters(eager.stats)
     with pytest.raises(ValueError, match="max_position_embeddings"):
-        fast_generate(target, drafter, torch.tensor(PROMPTS[0]), max_new_tokens=300)
+        fast_generate(target, drafter, torch.randint(10, 500, (max_pos + 1,)), max_new_tokens=4)
     with pytest.raises(ValueError, match="block_size"):  # a block above the trained one runs (vLLM's rule); one of 1 cannot
         FastDecoder(target, drafter, batch=1, block_size=1, capacity=64, cuda_graphs=False)
 
@@ -293,3 +305,58 @@ def test_gpu_a_step_never_waits_for_the_host():
         dec.step()
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+# ---------------------------------------------------------------------------
+# Serving a stream: continuous batching (CPU)
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("proposer", ["dflash", "ngram", None])
+def test_continuous_batching_serves_every_request_as_if_it_ran_alone(small_pair, proposer):
+    """Ten ragged requests through 3 rows: a finished row is refilled while the others go on. Every request's
+    tokens are target.generate's and its counts the eager loop's; the static policy gives the same requests
+    in more batch steps (the straggler effect), and both count what they ran."""
+    from dflash_lab.spec_decode.fast.serving import serve
+
+    target, drafter = small_pair
+    drafter = drafter if proposer == "dflash" else proposer
+    g = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(10, 500, (int(n),), generator=g) for n in torch.randint(3, 80, (10,), generator=g)]
+    max_new = [int(n) for n in torch.randint(2, 21, (10,), generator=g)]  # each request its own max_tokens
+    dec = FastDecoder(target, drafter, batch=3, block_size=8 if drafter is not None else 1, capacity=80 + 20,
+                      cuda_graphs=False)
+    runs = {policy: serve(dec, prompts, max_new_tokens=max_new, stop_token_ids=[7], policy=policy)
+            for policy in ("continuous", "static")}
+    for policy, run in runs.items():
+        assert [r.index for r in run.requests] == list(range(10)) and len({r.row for r in run.requests}) == 3
+        for p, n, req in zip(prompts, max_new, run.requests):
+            eager = speculative_generate(target, drafter, p[None], max_new_tokens=n, stop_token_ids=[7],
+                                         block_size=8 if drafter is not None else None)
+            assert torch.equal(req.result.output_ids, eager.output_ids), policy
+            if drafter is not None:
+                assert counters(req.result.stats) == counters(eager.stats), policy
+            assert 0 <= req.admitted_s <= req.first_token_s <= req.finished_s <= run.seconds
+        m = run.metrics()
+        assert m["tokens"] == sum(r.num_tokens for r in run.requests) == run.stats.num_generated_tokens
+        assert m["mean_e2el_ms"] >= m["mean_ttft_ms"] > 0
+    cont, static = runs["continuous"], runs["static"]
+    assert cont.fills > static.fills == 4  # ceil(10 / 3) batches; continuous refills rows as they free
+    assert cont.steps < static.steps  # no row waits for its batch's slowest sequence
+    # a request admitted later waited for a row: the fourth request starts only after one of the first three ends
+    assert min(r.finished_s for r in cont.requests[:3]) <= cont.requests[3].admitted_s
+
+
+def test_serve_refuses_what_it_cannot_run(small_pair):
+    from dflash_lab.spec_decode.fast.serving import serve
+
+    target, drafter = small_pair
+    dec = FastDecoder(target, drafter, batch=2, block_size=4, capacity=64, cuda_graphs=False)
+    with pytest.raises(ValueError, match="policy"):
+        serve(dec, [torch.tensor(PROMPTS[0])], max_new_tokens=4, policy="round-robin")
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        serve(dec, [torch.tensor(PROMPTS[0])], max_new_tokens=0)
+    with pytest.raises(ValueError, match="one per prompt"):
+        serve(dec, [torch.tensor(PROMPTS[0])] * 2, max_new_tokens=[4])
+    with pytest.raises(ValueError, match="capacity"):
+        serve(dec, [torch.tensor(PROMPTS[0])], max_new_tokens=200)

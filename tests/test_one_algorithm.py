@@ -25,7 +25,7 @@ from dflash_lab.assets import heldout_prompts, load_default_pair
 from dflash_lab.config import DFlashDrafterConfig
 from dflash_lab.drafter import DFlashLagunaDrafter
 from dflash_lab.spec_decode import fast_generate, fast_generate_batch, speculative_generate
-from dflash_lab.spec_decode.fast import decoder as fast_decoder
+from dflash_lab.spec_decode.fast import generate as fast_decoder
 from dflash_lab.train import AcceptanceProbe
 
 MAX_NEW = 24

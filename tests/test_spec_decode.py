@@ -115,7 +115,7 @@ def test_greedy_is_lossless_for_every_acceptance_length(pair, block_size, monkey
     target, drafter = pair
     prompt, n_new = PROMPTS[1], 30
     reference = target_greedy(target, prompt, n_new + block_size)[0].tolist()
-    monkeypatch.setattr(spec_decode.loop, "dflash_draft_logits", oracle_draft_logits(reference, target.config.vocab_size))
+    monkeypatch.setattr(spec_decode.proposers, "dflash_draft_logits", oracle_draft_logits(reference, target.config.vocab_size))
     result = speculative_generate(target, drafter, torch.tensor([prompt]), max_new_tokens=n_new, block_size=block_size)
     assert result.output_ids[0].tolist() == reference[:len(prompt) + n_new]
     lengths = set(result.stats.acceptance_lengths)
@@ -127,7 +127,7 @@ def test_drafter_context_grows_by_accepted_positions_only(pair, monkeypatch):
     target, drafter = pair
     prompt, n_new, block_size = PROMPTS[0], 25, 6
     reference = target_greedy(target, prompt, n_new + block_size)[0].tolist()
-    monkeypatch.setattr(spec_decode.loop, "dflash_draft_logits", oracle_draft_logits(reference, target.config.vocab_size))
+    monkeypatch.setattr(spec_decode.proposers, "dflash_draft_logits", oracle_draft_logits(reference, target.config.vocab_size))
     result = speculative_generate(target, drafter, torch.tensor([prompt]), max_new_tokens=n_new, block_size=block_size)
     context = result.context
     assert context.length == result.steps[-1].position - 1  # everything before the last step's x_t
@@ -315,7 +315,7 @@ def test_speculative_sampling_follows_the_target_distribution(toy_pair, monkeypa
     assert chi2_pvalue(samples[:, 0], p1) > 1e-3
     assert chi2_pvalue(samples[:, 1], p2) > 1e-3
 
-    monkeypatch.setattr(spec_decode.loop, "rejection_sample", blind_accept)
+    monkeypatch.setattr(spec_decode.sampling, "rejection_sample", blind_accept)  # the rule the verifier calls
     wrong = first_speculated_tokens(toy_pair, 400, draft_sample_method)
     assert chi2_pvalue(wrong[:, 1], p2) < 1e-6, "the test cannot tell blind acceptance from rejection sampling"
 
@@ -325,13 +325,13 @@ def test_draft_sample_method_decides_how_drafts_are_chosen(pair, monkeypatch, dr
     """vLLM's default ("greedy") drafts the drafter's argmax even when sampling; "probabilistic" samples from q."""
     target, drafter = pair
     seen = []
-    original = spec_decode.loop.dflash_draft_logits
+    original = spec_decode.proposers.dflash_draft_logits
 
     def recording(*args, **kwargs):
         seen.append(original(*args, **kwargs))
         return seen[-1]
 
-    monkeypatch.setattr(spec_decode.loop, "dflash_draft_logits", recording)
+    monkeypatch.setattr(spec_decode.proposers, "dflash_draft_logits", recording)
     r = speculative_generate(target, drafter, PROMPTS[0], max_new_tokens=24, block_size=8, temperature=1.0, seed=3,
                              draft_sample_method=draft_sample_method)
     drafts = [torch.tensor(s.draft_ids) for s in r.steps if s.draft_ids]
@@ -356,13 +356,13 @@ def test_sampled_drafts_and_their_q_use_the_temperature_only_as_vllms(pair, monk
     original = spec_decode.loop._propose
 
     def recording(*args, **kwargs):
-        draft, q = original(*args, **kwargs)
+        draft, q, proposal = original(*args, **kwargs)
         seen.append((draft, q))
-        return draft, q
+        return draft, q, proposal
 
     logits_seen = []
-    original_logits = spec_decode.loop.dflash_draft_logits
-    monkeypatch.setattr(spec_decode.loop, "dflash_draft_logits",
+    original_logits = spec_decode.proposers.dflash_draft_logits
+    monkeypatch.setattr(spec_decode.proposers, "dflash_draft_logits",
                         lambda *a, **k: logits_seen.append(original_logits(*a, **k)) or logits_seen[-1])
     monkeypatch.setattr(spec_decode.loop, "_propose", recording)
     T = 0.7
@@ -469,7 +469,7 @@ def test_stats_of_a_run_agree_with_its_steps(pair, monkeypatch):
     target, drafter = pair
     prompt, n_new, block_size = PROMPTS[1], 30, 5
     reference = target_greedy(target, prompt, n_new + block_size)[0].tolist()
-    monkeypatch.setattr(spec_decode.loop, "dflash_draft_logits", oracle_draft_logits(reference, target.config.vocab_size))
+    monkeypatch.setattr(spec_decode.proposers, "dflash_draft_logits", oracle_draft_logits(reference, target.config.vocab_size))
     r = speculative_generate(target, drafter, prompt, max_new_tokens=n_new, block_size=block_size)
     s, drafted = r.stats, [st for st in r.steps if st.draft_ids]
     assert s.num_drafts == len(drafted) == len(r.steps) - 1  # every step but the prefill drafts
@@ -505,7 +505,7 @@ def test_max_new_tokens_is_exact_even_mid_block(pair, monkeypatch, max_new_token
     target, drafter = pair
     prompt, block_size = PROMPTS[0], 6
     reference = target_greedy(target, prompt, 13 + block_size)[0].tolist()
-    monkeypatch.setattr(spec_decode.loop, "dflash_draft_logits", oracle_draft_logits(reference, target.config.vocab_size))
+    monkeypatch.setattr(spec_decode.proposers, "dflash_draft_logits", oracle_draft_logits(reference, target.config.vocab_size))
     r = speculative_generate(target, drafter, prompt, max_new_tokens=max_new_tokens, block_size=block_size)
     assert r.output_ids[0].tolist() == reference[:len(prompt) + max_new_tokens]
     assert r.stats.num_generated_tokens == max_new_tokens
@@ -713,7 +713,7 @@ def test_tokens_are_coloured_by_origin(pair, monkeypatch):
     target, drafter = pair
     prompt, block_size = PROMPTS[1], 5
     reference = target_greedy(target, prompt, 30 + block_size)[0].tolist()
-    monkeypatch.setattr(spec_decode.loop, "dflash_draft_logits", oracle_draft_logits(reference, target.config.vocab_size))
+    monkeypatch.setattr(spec_decode.proposers, "dflash_draft_logits", oracle_draft_logits(reference, target.config.vocab_size))
     r = speculative_generate(target, drafter, prompt, max_new_tokens=30, block_size=block_size)
     page = viz.acceptance_tokens_html(r, lambda ids: f"<{ids[0]}>")
     accepted = sum(min(st.num_accepted, len(st.token_ids)) for st in r.steps)

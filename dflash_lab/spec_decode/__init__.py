@@ -33,8 +33,8 @@ import importlib
 
 _EXPORTS = {
     # the fast backend
-    "FastDecoder": "fast.decoder", "fast_generate": "fast.decoder", "fast_generate_batch": "fast.decoder",
-    "cached_decoder": "fast.decoder", "clear_decoder_cache": "fast.decoder",
+    "FastDecoder": "fast.decoder", "fast_generate": "fast.generate", "fast_generate_batch": "fast.generate",
+    "cached_decoder": "fast.generate", "clear_decoder_cache": "fast.generate", "serve": "fast.serving",
     # proposers
     "DFlashContext": "proposers", "dflash_draft_logits": "proposers", "prompt_lookup": "proposers",
     "PromptLookupDrafter": "proposers", "NoDrafter": "proposers",

@@ -32,12 +32,10 @@ from tqdm.auto import tqdm
 from transformers import DynamicCache
 
 from ..config import DEFAULT_BLOCK_SIZE
-from ..drafter import DFlashLagunaDrafter, draft_block_ids
 from ..runtime import first_parameter, is_int, synchronized_time
 from ..target import target_forward
-from .proposers import DFlashContext, PromptLookupDrafter, check_block_size, dflash_draft_logits, resolve_drafter
-from .sampling import (DRAFT_SAMPLE_METHODS, draft_distribution, greedy_accept, logits_to_probs, make_verifier,
-                       rejection_sample, sample)
+from .proposers import DFlashContext, PromptLookupDrafter, check_block_size, resolve_drafter
+from .sampling import DRAFT_SAMPLE_METHODS, draft_distribution, logits_to_probs, make_verifier, sample
 from .stats import SpecDecodeStats
 
 # ---------------------------------------------------------------------------
@@ -127,22 +125,15 @@ def check_generation_args(target, drafter, input_ids, *, max_new_tokens, block_s
 
     # drafter
     drafter = resolve_drafter(drafter)
-    if isinstance(drafter, DFlashLagunaDrafter):
-        drafter.config.validate_against_target(config)
-        d_param = first_parameter(drafter)
-        if d_param.device != t_param.device:
-            raise ValueError(f"target and drafter must be on the same device: target on {t_param.device}, "
-                             f"drafter on {d_param.device} (move one with .to(device))")
-        if d_param.dtype != t_param.dtype:
-            raise ValueError(f"target and drafter must have the same dtype: target {t_param.dtype}, "
-                             f"drafter {d_param.dtype} (convert one with .to(dtype))")
+    drafter.check_target(target)
     block_size = check_block_size(block_size, drafter)
 
     # prompt
     if isinstance(input_ids, (list, tuple)):
         input_ids = torch.tensor(input_ids, dtype=torch.long)
     if not isinstance(input_ids, torch.Tensor):
-        raise TypeError(f"input_ids must be a LongTensor of token ids or a list of ints, got {type(input_ids).__name__}")
+        raise TypeError("input_ids must be a LongTensor of token ids or a list of ints, "
+                        f"got {type(input_ids).__name__}")
     if input_ids.dim() == 1:
         input_ids = input_ids[None]
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
@@ -203,20 +194,18 @@ def _timed(stats: SpecDecodeStats, attr: str, device: torch.device, fn):
     return timed_fn
 
 
-def _propose(drafter, target, context: DFlashContext | None, tokens: list[int], num_draft: int, *, greedy: bool,
-             to_probs, generator, device) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Drafts d_1 .. d_K (K,) and, when they were sampled from the drafter, their probabilities q (K, V).
+def _propose(session, tokens: list[int], num_draft: int, *, sampled: bool, to_probs, generator):
+    """The session's drafts d_1 .. d_K (K,) and, when they are sampled from the drafter, q (K, V); its Proposal.
 
-    ``greedy``: the drafter's argmax, q one-hot (None) — greedy decoding, or vLLM's default
+    Not ``sampled``: the drafter's argmax, q one-hot (None) — greedy decoding, or vLLM's default
     draft_sample_method="greedy" when sampling. ``to_probs`` gives q: temperature only (``draft_distribution``).
+    A proposer without a model (prompt lookup) gives K <= num_draft drafts and q one-hot.
     """
-    if context is None:  # a proposer without a model (prompt lookup): K <= num_draft, q is one-hot
-        return torch.tensor(drafter.propose(tokens, num_draft)[:num_draft], dtype=torch.long, device=device), None
-    draft_logits = dflash_draft_logits(drafter, target, context, tokens[-1], num_draft + 1)  # (K, V)
-    if greedy:
-        return draft_logits.argmax(-1), None
-    q = to_probs(draft_logits)  # (K, V)
-    return sample(q, generator), q
+    proposal = session.propose(tokens, num_draft)
+    if not sampled or proposal.logits is None:
+        return proposal.ids, None, proposal
+    q = to_probs(proposal.logits)  # (K, V)
+    return sample(q, generator), q, proposal
 
 
 # ---------------------------------------------------------------------------
@@ -267,12 +256,11 @@ def speculative_generate(target, drafter, input_ids, *, max_new_tokens: int, blo
     prompt, block_size, stop = check_generation_args(
         target, drafter, input_ids, max_new_tokens=max_new_tokens, block_size=block_size, temperature=temperature,
         top_p=top_p, top_k=top_k, seed=seed, stop_token_ids=stop_token_ids, draft_sample_method=draft_sample_method)
-    verifier = make_verifier(rejection_sample_method, block_size - 1, synthetic_acceptance_rates=synthetic_acceptance_rates,
+    verifier = make_verifier(rejection_sample_method, block_size - 1,
+                             synthetic_acceptance_rates=synthetic_acceptance_rates,
                              synthetic_acceptance_length=synthetic_acceptance_length, fly_window_size=fly_window_size,
                              fly_entropy_threshold=fly_entropy_threshold, fly_entropy_top_k=fly_entropy_top_k)
     device, dtype = prompt.device, first_parameter(target).dtype
-    is_dflash = isinstance(drafter, DFlashLagunaDrafter)
-    layer_ids = list(drafter.config.target_layer_ids) if is_dflash else []
     greedy = temperature == 0
     to_probs = partial(logits_to_probs, temperature=temperature, top_k=top_k, top_p=top_p)  # the target's p
     generator = torch.Generator(device).manual_seed(seed) if seed is not None else None
@@ -282,19 +270,19 @@ def speculative_generate(target, drafter, input_ids, *, max_new_tokens: int, blo
 
     tokens = prompt[0].tolist()
     stats = SpecDecodeStats(num_accepted_tokens_per_pos=[0] * (block_size - 1),
-                            draft_sample_method=None if greedy or not is_dflash else draft_sample_method)
+                            draft_sample_method=draft_sample_method if drafter.drafts_from_model and not greedy
+                            else None)
     steps: list[SpecDecodeStep] = []
-    context = DFlashContext(drafter, max_len, device, dtype) if is_dflash else None  # accepted positions < max_len
+    session = drafter.session(target, capacity=max_len, device=device, dtype=dtype)  # accepted positions < max_len
     if max_len <= T:
-        return SpecDecodeResult(prompt.clone(), stats, steps, T, context)
+        return SpecDecodeResult(prompt.clone(), stats, steps, T, session.context)
 
     # The three calls that do the work, each timed into stats.
-    greedy_drafts = greedy or draft_sample_method == "greedy"
     propose = _timed(stats, "drafter_time_s", device, partial(
-        _propose, drafter, target, context, greedy=greedy_drafts, to_probs=partial(draft_distribution, temperature=temperature),
-        generator=generator, device=device))
-    verify = _timed(stats, "target_time_s", device, partial(verify_forward, target, layer_ids=layer_ids))
-    extend_context = _timed(stats, "drafter_time_s", device, partial(context.append, drafter)) if is_dflash else None
+        _propose, session, sampled=not greedy and draft_sample_method == "probabilistic",
+        to_probs=partial(draft_distribution, temperature=temperature), generator=generator))
+    verify = _timed(stats, "target_time_s", device, partial(verify_forward, target, layer_ids=list(drafter.layer_ids)))
+    extend = _timed(stats, "drafter_time_s", device, session.extend)  # the context append (DFlash: its K/V)
 
     def emit(new: list[int]) -> tuple[list[int], bool]:
         """Append tokens until a stop token or the length limit; say whether generation is done."""
@@ -310,8 +298,7 @@ def speculative_generate(target, drafter, input_ids, *, max_new_tokens: int, blo
     cache = new_target_cache()
     logits, aux = verify(prompt, cache, 0)
     stats.num_target_forwards += 1
-    if is_dflash:
-        extend_context(aux)  # positions 0 .. T-1
+    extend(aux)  # positions 0 .. T-1
     first = int(logits[-1].argmax()) if greedy else int(sample(to_probs(logits[-1]), generator))
     kept, done = emit([first])
     steps.append(SpecDecodeStep(position=T, draft_ids=[], num_accepted=0, token_ids=kept,
@@ -322,7 +309,7 @@ def speculative_generate(target, drafter, input_ids, *, max_new_tokens: int, blo
         num_draft = min(block_size - 1, max_pos - 1 - t)  # block positions stay below max_position_embeddings
 
         # 1. Draft d_1 .. d_K.
-        draft, draft_probs = propose(tokens, num_draft)  # (K,), (K, V) q or None
+        draft, draft_probs, proposal = propose(tokens, num_draft)  # (K,), (K, V) q or None
         num_draft = draft.shape[0]  # prompt lookup may find fewer, or none
 
         # 2. Verify [x_t, d_1 .. d_K] in ONE target forward.
@@ -331,38 +318,31 @@ def speculative_generate(target, drafter, input_ids, *, max_new_tokens: int, blo
         stats.num_target_forwards += 1
 
         # 3. Accept a prefix of the draft, then one token from the target.
-        if verifier.method == "standard":  # the default rule, called as the other backends call it
-            if greedy:
-                n, next_token = greedy_accept(draft, logits.argmax(-1))
-            else:
-                n, next_token = rejection_sample(draft, draft_probs, to_probs(logits), generator)
-        else:
-            n, next_token = verifier(draft, draft_probs, logits, to_probs, greedy=greedy, generator=generator)
+        n, next_token = verifier(draft, draft_probs, logits, to_probs, greedy=greedy, generator=generator)
         if num_draft:
             stats.observe_draft(num_draft, n)
         draft_ids = draft.tolist()
         kept, done = emit(draft_ids[:n] + [next_token])
         steps.append(SpecDecodeStep(
             position=t + 1, draft_ids=draft_ids, num_accepted=n, token_ids=kept,
-            block_ids=draft_block_ids(torch.tensor(tokens[t]), num_draft + 1, drafter.config.mask_token_id).tolist()
-            if is_dflash else [],
-            target_argmax=logits.argmax(-1).tolist()))
+            block_ids=proposal.block_ids, target_argmax=logits.argmax(-1).tolist()))
 
         # 4. Keep what was accepted: x_t and d_1 .. d_n are now part of the sequence.
         crop_cache(cache, t + n + 1)
-        if is_dflash and not done:
-            extend_context(aux[: n + 1])  # positions t .. t+n, nothing recomputed
+        if not done:
+            extend(aux[: n + 1] if aux is not None else None)  # positions t .. t+n, nothing recomputed
 
     stats.num_generated_tokens = len(tokens) - T
     output = torch.tensor([tokens], dtype=torch.long, device=device)
-    return SpecDecodeResult(output, stats, steps, T, context)
+    return SpecDecodeResult(output, stats, steps, T, session.context)
 
 
 def prompt_lookup_generate(target, input_ids, *, max_new_tokens: int, block_size: int = DEFAULT_BLOCK_SIZE,
                            prompt_lookup_min: int = 2, prompt_lookup_max: int = 5, **kwargs) -> SpecDecodeResult:
     """``speculative_generate`` with prompt-lookup drafts (vLLM's ``ngram`` method)."""
     drafter = PromptLookupDrafter(prompt_lookup_min, prompt_lookup_max, block_size)
-    return speculative_generate(target, drafter, input_ids, max_new_tokens=max_new_tokens, block_size=block_size, **kwargs)
+    return speculative_generate(target, drafter, input_ids, max_new_tokens=max_new_tokens, block_size=block_size,
+                                **kwargs)
 
 
 def generate_on_prompts(target, drafter, prompts, *, max_new_tokens: int, seed: int | None = None,

@@ -1,4 +1,4 @@
-"""Proposers: where the drafts come from.
+"""Proposers: where the drafts come from, behind one interface every backend calls.
 
     DFlash         ONE drafter forward over [x_t, MASK x (B-1)], conditioned on
                    the context K/V of every accepted position (``DFlashContext``);
@@ -6,21 +6,90 @@
     prompt lookup  no model: copy what followed an earlier occurrence of the
                    sequence's last n-gram (vLLM's ``ngram`` method)
     no drafter     ``drafter=None`` everywhere: nothing is proposed, so the loop is plain
-                   greedy decoding with the same overheads (``NoDrafter`` stands in the loop)
+                   greedy decoding with the same overheads
 
-The loop (``loop.py``) verifies and accepts both the same way. (vLLM:
-``v1/spec_decode/dflash.py`` and ``v1/spec_decode/ngram_proposer.py``.)
+The interface (``Proposer``), as vLLM's proposers share one (``v1/spec_decode/``):
+
+    session(target, capacity=..)      one generation on the eager loop: ``extend(aux)`` takes the
+                                      accepted positions' target features (the context append),
+                                      ``propose(tokens, num_draft)`` gives a ``Proposal``
+    device_session(target, batch=..)  the same on the fast path's static buffers, or None when the
+                                      proposer drafts on the host from the tokens (prompt lookup)
+    block_size, max_block_size        the default block and the largest one it supports
+    layer_ids                         the target layers whose hidden states it reads
+
+``resolve_drafter`` turns every backend's ``drafter`` argument into one (or refuses it), so a
+backend never asks which method it runs. (vLLM: ``v1/spec_decode/dflash.py`` and
+``v1/spec_decode/ngram_proposer.py``.)
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
+from ..block_attention import draft_block_ids
 from ..config import DEFAULT_BLOCK_SIZE
-from ..drafter import DFlashLagunaDrafter, draft_block_ids
-from ..runtime import is_int
+from ..drafter import DFlashLagunaDrafter
+from ..runtime import first_parameter, is_int
+from .fast.static_drafter import StaticDrafter
+
+# ---------------------------------------------------------------------------
+# The interface
+# ---------------------------------------------------------------------------
+
+
+class Proposal(NamedTuple):
+    """One step's drafts d_1 .. d_K (K may be below the number asked for: prompt lookup finds fewer)."""
+
+    ids: torch.Tensor  # (K,) long
+    logits: torch.Tensor | None  # (K, V) the drafter's logits; None: no model, q is one-hot at ids
+    block_ids: list[int]  # what went into the drafter ([x_t, MASK x K]); [] without one
+
+
+class Proposer:
+    """What every backend drafts with. A subclass sets the attributes and overrides what differs."""
+
+    kind = "custom"  # a record's name for the method
+    block_size: int | None = DEFAULT_BLOCK_SIZE  # used when a backend is given none
+    max_block_size: int | None = None  # None: no limit
+    layer_ids: tuple[int, ...] = ()  # target layers whose hidden states ``extend`` reads
+    proposes = True  # False: never drafts (the fast path then verifies x_t alone, block 1)
+    drafts_from_model = False  # True: a Proposal carries the drafter's logits (sampling can draw drafts from q)
+
+    def check_target(self, target) -> None:
+        """Refuse a target the proposer cannot draft for (a model-free proposer fits any)."""
+
+    def propose(self, tokens: list[int], num_draft: int) -> list[int]:
+        """Drafts from the tokens so far alone (a host-side proposer): at most ``num_draft`` ids."""
+        raise NotImplementedError(f"{type(self).__name__} drafts on the device only")
+
+    def session(self, target, *, capacity: int, device, dtype):
+        """One generation on the eager loop (``HostSession`` unless the proposer reads the target)."""
+        return HostSession(self, device)
+
+    def device_session(self, target, *, batch: int, capacity: int, block_size: int):
+        """The fast path's drafter on static buffers; None: drafts come from ``propose`` on the host."""
+        return None
+
+
+class HostSession:
+    """A generation of a proposer without a model: drafts from the tokens, nothing to append."""
+
+    context = None
+
+    def __init__(self, proposer: Proposer, device):
+        self.proposer, self.device = proposer, device
+
+    def extend(self, aux) -> None:
+        pass
+
+    def propose(self, tokens: list[int], num_draft: int) -> Proposal:
+        ids = list(self.proposer.propose(tokens, num_draft))[:num_draft]
+        return Proposal(torch.tensor(ids, dtype=torch.long, device=self.device), None, [])
+
 
 # ---------------------------------------------------------------------------
 # DFlash: the drafter's context K/V, then one forward per block
@@ -46,8 +115,7 @@ class DFlashContext:
         """Add the next positions from their target aux hidden states (n, n_aux * H_t)."""
         n = aux_hidden.shape[0]
         positions = torch.arange(self.length, self.length + n, device=aux_hidden.device)
-        context = drafter.combine_hidden_states(aux_hidden)  # (n, H)
-        k, v = drafter.precompute_context_kv(context, positions)  # (L, n, nkv, hd) each
+        k, v = drafter.context_kv(aux_hidden, positions)  # (L, n, nkv, hd) each
         self.k[:, self.length:self.length + n] = k
         self.v[:, self.length:self.length + n] = v
         self.length += n
@@ -67,12 +135,70 @@ def dflash_draft_logits(drafter: DFlashLagunaDrafter, target, context: DFlashCon
     Returns (B-1, V) logits for positions t+1 .. t+B-1, from the target's lm_head.
     """
     device = context.k.device
-    block_ids = draft_block_ids(torch.tensor([last_token], device=device), block_size, drafter.config.mask_token_id)
-    noise_embeds = target.get_input_embeddings()(block_ids)  # (1, B, H): the target's embedding table
     positions = torch.arange(context.length, context.length + block_size, device=device)[None]  # (1, B)
     ctx_k, ctx_v = context.kv()
-    hidden = drafter(noise_embeds, positions, ctx_k, ctx_v, context.positions)  # (1, B, H)
-    return target.lm_head(hidden[0, 1:])  # (B-1, V): position j predicts the token AT t+j
+    first = torch.tensor([[last_token]], device=device)
+    return drafter.block_logits(target, first, positions, context_k=ctx_k, context_v=ctx_v,
+                                context_positions=context.positions)[0, 0]  # (B-1, V)
+
+
+class DFlashSession:
+    """One eager generation of a DFlash drafter: its context K/V, and a block forward per step."""
+
+    def __init__(self, drafter: DFlashLagunaDrafter, target, capacity: int, device, dtype):
+        self.drafter, self.target = drafter, target
+        self.context = DFlashContext(drafter, capacity, device, dtype)  # accepted positions < capacity
+
+    def extend(self, aux: torch.Tensor) -> None:
+        """The accepted positions' target features (n, n_aux * H_t): their context K/V, nothing recomputed."""
+        self.context.append(self.drafter, aux)
+
+    def propose(self, tokens: list[int], num_draft: int) -> Proposal:
+        logits = dflash_draft_logits(self.drafter, self.target, self.context, tokens[-1], num_draft + 1)  # (K, V)
+        block = draft_block_ids(torch.tensor(tokens[-1]), num_draft + 1, self.drafter.config.mask_token_id)
+        return Proposal(logits.argmax(-1), logits, block.tolist())
+
+
+@dataclass(frozen=True, eq=False)  # one drafter, one proposer: equal when they hold the same drafter
+class DFlashProposer(Proposer):
+    """A ``DFlashLagunaDrafter`` behind the interface."""
+
+    drafter: DFlashLagunaDrafter
+    kind = "dflash"
+    drafts_from_model = True
+    max_block_size = None  # vLLM runs any num_speculative_tokens for DFlash, above the trained block too
+
+    def __eq__(self, other):
+        return isinstance(other, DFlashProposer) and other.drafter is self.drafter
+
+    def __hash__(self):
+        return hash((DFlashProposer, id(self.drafter)))
+
+    @property
+    def block_size(self) -> int:
+        return self.drafter.config.block_size
+
+    @property
+    def layer_ids(self) -> tuple[int, ...]:
+        return tuple(self.drafter.config.target_layer_ids)
+
+    def check_target(self, target) -> None:
+        """The drafter fits the target: its config, and the same device and dtype."""
+        self.drafter.config.validate_against_target(target.config)
+        d_param, t_param = first_parameter(self.drafter), first_parameter(target)
+        if d_param.device != t_param.device:
+            raise ValueError(f"target and drafter must be on the same device: target on {t_param.device}, "
+                             f"drafter on {d_param.device} (move one with .to(device))")
+        if d_param.dtype != t_param.dtype:
+            raise ValueError(f"target and drafter must have the same dtype: target {t_param.dtype}, "
+                             f"drafter {d_param.dtype} (convert one with .to(dtype))")
+
+    def session(self, target, *, capacity: int, device, dtype) -> DFlashSession:
+        return DFlashSession(self.drafter, target, capacity, device, dtype)
+
+    def device_session(self, target, *, batch: int, capacity: int, block_size: int) -> StaticDrafter:
+        self.check_target(target)
+        return StaticDrafter(self.drafter, target, batch=batch, capacity=capacity, block_size=block_size)
 
 
 # ---------------------------------------------------------------------------
@@ -80,7 +206,8 @@ def dflash_draft_logits(drafter: DFlashLagunaDrafter, target, context: DFlashCon
 # ---------------------------------------------------------------------------
 
 
-def prompt_lookup(tokens: list[int], num_draft: int, prompt_lookup_min: int = 2, prompt_lookup_max: int = 5) -> list[int]:
+def prompt_lookup(tokens: list[int], num_draft: int, prompt_lookup_min: int = 2,
+                  prompt_lookup_max: int = 5) -> list[int]:
     """vLLM's ``ngram`` proposer, in plain Python.
 
     Find the longest n-gram (prompt_lookup_min <= n <= prompt_lookup_max) that
@@ -97,40 +224,70 @@ def prompt_lookup(tokens: list[int], num_draft: int, prompt_lookup_min: int = 2,
 
 
 @dataclass(frozen=True)  # hashable: the fast path keeps one decoder per (drafter, shape)
-class PromptLookupDrafter:
+class PromptLookupDrafter(Proposer):
     """Prompt-lookup drafting (vLLM ``method="ngram"``): drafts copied from the sequence itself.
 
-    Any object with ``block_size`` and ``propose(tokens, num_draft)`` can stand
-    in the loop the same way. vLLM's own defaults are prompt_lookup_min =
-    prompt_lookup_max = 5; a shorter minimum finds more matches in short prompts.
+    vLLM's own defaults are prompt_lookup_min = prompt_lookup_max = 5; a shorter minimum
+    finds more matches in short prompts.
     """
 
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 5
     block_size: int = DEFAULT_BLOCK_SIZE  # 1 real token + up to 15 drafts, like the DFlash drafter
     max_block_size: int | None = None  # no model, no limit
+    kind = "ngram"
 
     def __post_init__(self):
-        for name in ("prompt_lookup_min", "prompt_lookup_max"):
+        for name in ("prompt_lookup_min", "prompt_lookup_max", "block_size"):
             v = getattr(self, name)
             if not is_int(v) or v < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
-            raise ValueError(f"prompt_lookup_min={self.prompt_lookup_min} must be <= prompt_lookup_max={self.prompt_lookup_max}")
+            raise ValueError(f"prompt_lookup_min={self.prompt_lookup_min} must be "
+                             f"<= prompt_lookup_max={self.prompt_lookup_max}")
 
     def propose(self, tokens: list[int], num_draft: int) -> list[int]:
         return prompt_lookup(tokens, num_draft, self.prompt_lookup_min, self.prompt_lookup_max)
 
 
-class NoDrafter:
-    """What ``drafter=None`` becomes inside the eager loop: proposes nothing, so every step
-    verifies x_t alone (plain decoding through the same loop, the fair baseline)."""
+class NoDrafter(Proposer):
+    """``drafter=None``: proposes nothing, so every step verifies x_t alone (plain decoding through
+    the same loop, the fair baseline). The fast path runs it at block 1."""
 
-    block_size = 2  # 1 real token + room for a draft that never comes
-    max_block_size = None
+    kind = "target"
+    block_size = 2  # the eager loop's block: 1 real token + room for a draft that never comes
+    proposes = False
 
     def propose(self, tokens: list[int], num_draft: int) -> list[int]:
         return []
+
+
+@dataclass(frozen=True, eq=False)
+class CustomProposer(Proposer):
+    """Any object with ``propose(tokens, num_draft)`` (and optionally ``block_size`` / ``max_block_size``)."""
+
+    proposer: object
+
+    def __eq__(self, other):
+        return isinstance(other, CustomProposer) and other.proposer is self.proposer
+
+    def __hash__(self):
+        return hash((CustomProposer, id(self.proposer)))
+
+    @property
+    def kind(self) -> str:
+        return type(self.proposer).__name__
+
+    @property
+    def block_size(self) -> int | None:
+        return getattr(self.proposer, "block_size", None)
+
+    @property
+    def max_block_size(self) -> int | None:
+        return getattr(self.proposer, "max_block_size", None)
+
+    def propose(self, tokens: list[int], num_draft: int) -> list[int]:
+        return self.proposer.propose(tokens, num_draft)
 
 
 # ---------------------------------------------------------------------------
@@ -140,51 +297,53 @@ class NoDrafter:
 DRAFTER_KINDS = "a DFlashLagunaDrafter, 'ngram', None or a proposer"  # prompt lookup, no drafter, propose()
 
 
-def resolve_drafter(drafter):
-    """What a backend drafts with: the DFlash drafter itself, or a proposer (``propose(tokens, num_draft)``).
+def resolve_drafter(drafter) -> Proposer:
+    """What a backend drafts with, as a ``Proposer``.
 
-    None becomes ``NoDrafter``, "ngram" a ``PromptLookupDrafter``; anything else is refused,
-    never turned into another method.
+    A DFlashLagunaDrafter becomes a ``DFlashProposer``, None ``NoDrafter``, "ngram" a
+    ``PromptLookupDrafter``, an object with ``propose(tokens, num_draft)`` a ``CustomProposer``;
+    anything else is refused, never turned into another method.
     """
+    if isinstance(drafter, Proposer):
+        return drafter
     if drafter is None:
         return NoDrafter()
     if isinstance(drafter, str):
         if drafter != "ngram":
             raise ValueError(f"drafter must be {DRAFTER_KINDS}, got {drafter!r}")
         return PromptLookupDrafter()
-    if isinstance(drafter, DFlashLagunaDrafter) or callable(getattr(drafter, "propose", None)):
-        return drafter
+    if isinstance(drafter, DFlashLagunaDrafter):
+        return DFlashProposer(drafter)
+    if callable(getattr(drafter, "propose", None)):
+        return CustomProposer(drafter)
     raise TypeError(f"drafter must be {DRAFTER_KINDS} with propose(tokens, num_draft), got {type(drafter).__name__}")
 
 
 def require_dflash(drafter, backend: str) -> DFlashLagunaDrafter:
     """For a backend that only replays DFlash drafts (evaluation): the drafter, else a clear refusal."""
-    drafter = resolve_drafter(drafter)
-    if not isinstance(drafter, DFlashLagunaDrafter):
+    proposer = resolve_drafter(drafter)
+    if not isinstance(proposer, DFlashProposer):
         raise TypeError(f"{backend} replays DFlash drafts: drafter must be a DFlashLagunaDrafter, "
                         f"got {type(drafter).__name__}")
-    return drafter
-
-
-def default_block_size(drafter) -> int | None:
-    """The block a resolved drafter uses when none is given: DFlash's trained one, a proposer's own."""
-    if isinstance(drafter, DFlashLagunaDrafter):
-        return drafter.config.block_size
-    return getattr(drafter, "block_size", None)
+    return proposer.drafter
 
 
 def check_block_size(block_size, drafter) -> int:
-    """``block_size`` B = 1 real token + K = B - 1 drafts (vLLM's num_speculative_tokens + 1), checked once."""
+    """``block_size`` B = 1 real token + K = B - 1 drafts (vLLM's num_speculative_tokens + 1), checked once.
+
+    None: the proposer's own (DFlash: the drafter's trained block; vLLM 0.33 itself requires
+    num_speculative_tokens). A block above the trained one runs, as in vLLM.
+    """
+    proposer = resolve_drafter(drafter)
     if block_size is None:
-        block_size = default_block_size(drafter)
+        block_size = proposer.block_size
         if block_size is None:
-            raise ValueError(f"block_size must be given: {type(drafter).__name__} has no default block_size")
+            raise ValueError(f"block_size must be given: {proposer.kind} has no default block_size")
     if not is_int(block_size):
         raise TypeError(f"block_size must be an integer, got {block_size!r}")
     if block_size < 2:
         raise ValueError(f"block_size must be >= 2 (1 real token + at least 1 draft), got {block_size}")
-    max_block = None if isinstance(drafter, DFlashLagunaDrafter) else getattr(drafter, "max_block_size", None)
-    if max_block is not None and block_size > max_block:  # vLLM runs any num_speculative_tokens for DFlash
+    if proposer.max_block_size is not None and block_size > proposer.max_block_size:
         raise ValueError(f"block_size {block_size} is larger than the drafter supports "
-                         f"(its max_block_size is {max_block})")
+                         f"(its max_block_size is {proposer.max_block_size})")
     return block_size

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..drafter import dflash_attention_mask, draft_block_ids
+from ..block_attention import dflash_attention_mask, draft_block_ids
 from ..target import target_forward
 
 # ---------------------------------------------------------------------------
@@ -165,16 +165,14 @@ def draft_logits_for(target, drafter, ids: torch.Tensor, anchors: torch.Tensor, 
     lengths (B, A), optional: each block's own length (<= block_size), see short_block_mask.
     """
     B, T = ids.shape
-    ctx = drafter.combine_hidden_states(aux).reshape(B * T, -1)  # (B*T, H)
     positions = torch.arange(T, device=ids.device)
-    k, v = drafter.precompute_context_kv(ctx, positions.repeat(B), path="reference")  # (L, B*T, nkv, hd)
+    k, v = drafter.context_kv(aux.reshape(B * T, -1), positions.repeat(B), path="reference")  # (L, B*T, nkv, hd)
     k, v = k.unflatten(1, (B, T)), v.unflatten(1, (B, T))  # (L, B, T, nkv, hd)
-    block, block_pos = block_inputs(ids, anchors, block_size, drafter.config.mask_token_id)
-    noise = target.model.embed_tokens(block)  # (B, A*bs, H)
+    _, block_pos = block_inputs(ids, anchors, block_size, drafter.config.mask_token_id)  # positions (B, A*bs)
     mask = None
     if lengths is not None:
         # The attention the drafter will be served with (vLLM's window and causality rule), then short blocks.
         mask = short_block_mask(dflash_attention_mask(block_pos, positions, block_size, drafter.window,
                                                       causal=drafter.config.is_causal), lengths, block_size)
-    hidden = drafter(noise, block_pos, k, v, positions, block_size=block_size, mask=mask)
-    return target.lm_head(hidden).unflatten(1, (anchors.shape[1], block_size))  # (B, A, bs, V)
+    return drafter.block_logits(target, ids.gather(1, anchors), block_pos, from_slot=0, context_k=k, context_v=v,
+                                context_positions=positions, mask=mask)  # (B, A, bs, V)

@@ -14,7 +14,7 @@ def visibility_mask_figure(mask, *, query_positions, key_positions, context_len:
                            title: str | None = None) -> go.Figure:
     """Which keys each block query attends to.
 
-    ``mask`` is (Q, N+Q) bool for one block (``drafter.dflash_attention_mask``
+    ``mask`` is (Q, N+Q) bool for one block (``block_attention.dflash_attention_mask``
     without the batch axis): N context keys then the Q block keys.
     """
     m = _array(mask) > 0.5

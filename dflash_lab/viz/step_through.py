@@ -108,7 +108,7 @@ def step_through_html(result, step_index: int, tokenizer=None, *, mask=None, cau
                       window: int | None = None, context_tail: int = 24, title: str | None = None) -> str:
     """HTML for step ``step_index`` of ``result`` (a ``SpecDecodeResult``); step 0 is the prefill.
 
-    ``mask`` (optional, (Q, N+Q) bool, ``drafter.dflash_attention_mask`` for this block without
+    ``mask`` (optional, (Q, N+Q) bool, ``block_attention.dflash_attention_mask`` for this block without
     the batch axis) draws the drafter's attention inside the block; ``causal`` and ``window``
     label it. ``tokenizer`` decodes tokens (``decode(ids)``); without one, ids are shown.
     """

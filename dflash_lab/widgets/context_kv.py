@@ -7,7 +7,7 @@ import torch
 
 from dflash_lab import viz
 from dflash_lab.context_kv import CONTEXT_KV_PATHS
-from dflash_lab.drafter import dflash_attention_mask
+from dflash_lab.block_attention import dflash_attention_mask
 from dflash_lab.widgets.common import (
     CONTEXT_KV_DTYPES,
     WIDE,
@@ -61,7 +61,7 @@ def sliding_window_explorer(*, context_len: int = 24, block_size: int = 8, windo
     "causal" checkbox plays ``is_causal`` / ``dflash_config.causal``: it starts at vLLM's
     default for the layer type and follows the sliding switch until it is set by hand.
     ``causal`` (True/False) pins it instead and greys the checkbox out (a drafter whose
-    causality is fixed). Each change recomputes ``drafter.dflash_attention_mask`` and redraws
+    causality is fixed). Each change recomputes ``block_attention.dflash_attention_mask`` and redraws
     ``viz.visibility_mask_figure``. The returned box exposes ``.sliding``, ``.window``,
     ``.causal``, ``.figure`` and ``.summary``.
     """

@@ -6,7 +6,8 @@ import ipywidgets as widgets
 import torch
 
 from dflash_lab import viz
-from dflash_lab.drafter import DFlashLagunaDrafter, dflash_attention_mask
+from dflash_lab.block_attention import dflash_attention_mask
+from dflash_lab.drafter import DFlashLagunaDrafter
 from dflash_lab.widgets.common import WIDE
 
 

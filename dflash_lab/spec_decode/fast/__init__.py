@@ -3,10 +3,13 @@
     triton_ops         one-kernel RMSNorm and q/k head norm + RoPE, for the forwards below
     static_target      the target's forward over a preallocated KV cache, no host syncs
     static_drafter     the drafter's context K/V in slots (slot == position), and its block step
-                       through the drafter's own attention (``drafter.SlotKV``)
+                       through the drafter's own attention (``block_attention.SlotKV``)
     cuda_graphs        capture a step once, replay it with one launch
-    decoder            ``FastDecoder`` / ``fast_generate`` / ``fast_generate_batch``: several
-                       prompts, ragged acceptance, the accept rule of ``spec_decode.sampling``
+    decoder            ``FastDecoder``: several prompts, ragged acceptance, the accept rule of
+                       ``spec_decode.sampling``; a row refilled while the others go on
+    generate           ``fast_generate`` / ``fast_generate_batch``: one call, a cached decoder
+    serving            ``serve``: a stream of requests at a concurrency, continuous batching as
+                       vLLM's scheduler does it, with the per-request latencies ``vllm bench serve`` reports
 
 Nothing is imported here: ``triton_ops`` serves the static forwards without the decoder that drives
 them. (The fused epilogue of the folded context-K/V path is no part of this backend: it sits beside

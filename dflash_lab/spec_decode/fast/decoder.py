@@ -1,7 +1,10 @@
 """Fast greedy decoding: static buffers, one CUDA graph per step, several prompts per batch.
 
-    fast_generate(target, drafter, input_ids, max_new_tokens=...)        one prompt -> SpecDecodeResult
-    fast_generate_batch(target, drafter, prompts, max_new_tokens=...)    a batch -> list of SpecDecodeResult
+    FastDecoder(target, drafter, batch=.., block_size=.., capacity=..)   buffers and graphs, built once
+        .generate(prompts, max_new_tokens=..)                             a static batch -> SpecDecodeResults
+        .prefill / .fill / .step / .results                               what continuous batching drives
+                                                                          (``serving.serve``)
+(``generate.fast_generate`` / ``fast_generate_batch``: one call, over a cached decoder.)
 
 ``drafter`` is a ``DFlashLagunaDrafter``, ``"ngram"`` (prompt lookup) or None
 (no drafter: plain greedy decoding through the same machinery, the fair baseline;
@@ -36,18 +39,14 @@ every step (as vLLM's ngram proposer does).
 from __future__ import annotations
 
 import math
-import weakref
-from collections import OrderedDict
 
 import torch
 
-from ...drafter import DFlashLagunaDrafter
-from ...runtime import first_parameter
+from ...runtime import first_parameter, is_int
 from .cuda_graphs import GraphedStep, new_pool
 from ..loop import SpecDecodeResult
-from ..proposers import NoDrafter, check_block_size, default_block_size, resolve_drafter
+from ..proposers import check_block_size, resolve_drafter
 from ..sampling import greedy_accept_batch
-from .static_drafter import StaticDrafter
 from .static_target import StaticTarget, round_up
 from ..stats import SpecDecodeStats
 
@@ -59,33 +58,32 @@ PREFILL_STEP = 64  # prompts are right-padded to a multiple of this: one prefill
 class FastDecoder:
     """Static buffers and graphed steps for one (pair, batch size, block size, capacity).
 
-    method: "dflash", "ngram" (drafts from the proposer's ``propose``, on the host) or "target" (block 1),
-    from ``proposers.resolve_drafter``: an object that is none of its kinds is refused.
+    drafter: anything ``proposers.resolve_drafter`` takes (an object that is none of its kinds is
+    refused). A proposer with a ``device_session`` (DFlash) drafts inside the graphed step; one
+    without drafts on the host from each sequence's tokens (prompt lookup); one that never
+    proposes runs at block 1 (``method`` "target").
     Build once, then ``generate`` any number of batches of up to ``batch`` prompts
     whose prompt + max_new_tokens fit ``capacity``.
     """
 
     def __init__(self, target, drafter=None, *, batch: int, block_size: int, capacity: int, cuda_graphs: bool = True,
                  moe: str = "auto", phase_graphs: bool = False):
-        proposer = resolve_drafter(drafter)
-        is_dflash = isinstance(proposer, DFlashLagunaDrafter)
-        self.method = "dflash" if is_dflash else ("target" if isinstance(proposer, NoDrafter) else "ngram")
-        if self.method == "target":
-            block_size = 1
-        else:  # a block above the trained one runs, as in vLLM (it never reads block_size)
-            block_size = check_block_size(block_size, proposer)
-        if is_dflash:
-            drafter.config.validate_against_target(target.config)
+        self.proposer = proposer = resolve_drafter(drafter)
+        # a block above the trained one runs, as in vLLM (it never reads block_size)
+        block_size = check_block_size(block_size, proposer) if proposer.proposes else 1
+        self.method = proposer.kind
         self.target, self.drafter, self.B, self.batch = target, drafter, block_size, batch
-        self.lookup = None if is_dflash else proposer  # the host-side proposer (prompt lookup, or any propose())
         p = first_parameter(target)
         self.device, self.dtype = p.device, p.dtype
         slack = 2 * block_size + 1  # frozen and overrunning steps write past the last kept position
-        layer_ids = list(drafter.config.target_layer_ids) if self.method == "dflash" else []
-        self.tgt = StaticTarget(target, batch=batch, capacity=capacity + slack, layer_ids=layer_ids, moe=moe)
-        self.dft = (StaticDrafter(drafter, target, batch=batch, capacity=capacity + slack, block_size=block_size)
-                    if self.method == "dflash" else None)
+        self.tgt = StaticTarget(target, batch=batch, capacity=capacity + slack, layer_ids=list(proposer.layer_ids),
+                                moe=moe)
+        # the drafter on the device (DFlash), else the host-side proposer (prompt lookup, or any propose())
+        self.dft = proposer.device_session(target, batch=batch, capacity=capacity + slack, block_size=block_size)
+        self.lookup = proposer if proposer.proposes and self.dft is None else None
         self.capacity = capacity
+        self.trash = capacity + slack - 1  # a slot no sequence reaches: where a row not being filled writes
+        self.max_pos = target.config.max_position_embeddings  # a sequence ends there, as on the eager loop
         z = lambda *s, dt=torch.long: torch.zeros(s, dtype=dt, device=self.device)  # noqa: E731
         S, K = self.tgt.capacity, block_size - 1
         # decode state (device)
@@ -98,10 +96,10 @@ class FastDecoder:
         self.block_pos, self.drafts, self.argmax = z(batch, block_size), z(batch, K), z(batch, block_size)
         self.n_draft = torch.full((batch,), K, dtype=torch.long, device=self.device)  # drafts to verify (ngram: 0 .. K)
         self.aux = None
-        # prefill inputs (device): right-padded prompts, and lengths | live rows | max_new_tokens | stop ids
+        # prefill inputs (device): right-padded prompts, and lengths | rows to fill | max_new_tokens | stop ids
         self.prompt_ids = z(batch, S)
         self.slot_positions = torch.arange(S, device=self.device).expand(batch, S)
-        self.meta = z(2 * batch + 1 + MAX_STOP_TOKENS)
+        self.meta = z(3 * batch + MAX_STOP_TOKENS)
         self._host_meta = torch.zeros(self.meta.shape, dtype=torch.long)
         # what remains after a burst's next-to-last step, copied back while its last step runs (CUDA)
         cuda = self.device.type == "cuda"
@@ -109,6 +107,9 @@ class FastDecoder:
         self._peek_done = torch.cuda.Event() if cuda else None
         # what each step verified (device); SpecDecodeStats counts it at the end (last column: a dump)
         self.n_steps, self.n_drafts = z(batch), z(batch)
+        # prompt lookup's drafts, staged on the host
+        self._host_drafts = torch.zeros((batch, K), dtype=torch.long, pin_memory=cuda)
+        self._host_n = torch.zeros(batch, dtype=torch.long, pin_memory=cuda)
         self.draft_log, self.accepted_log = z(batch, capacity + 2), z(batch, capacity + 2)
 
         pool = new_pool(self.device)
@@ -117,8 +118,8 @@ class FastDecoder:
         self._graphed = graphed
         self.prefills: dict[int, GraphedStep] = {}  # padded prompt length -> its prefill, captured on first use
         self.step = graphed(self._step)
-        self.step_plain = graphed(self._step_without_drafts) if self.method == "ngram" else None
-        noop = {"append"} if self.method != "dflash" else set()  # an empty graph cannot be captured
+        self.step_plain = graphed(self._step_without_drafts) if self.lookup is not None else None
+        noop = {"append"} if self.dft is None else set()  # an empty graph cannot be captured
         self.phases = {name: GraphedStep(getattr(self, f"_{name}"), enabled=False, device=self.device) if name in noop
                        else graphed(getattr(self, f"_{name}")) for name in PHASES} if phase_graphs else None
         self.cuda_graphs = self.step.captured
@@ -134,8 +135,10 @@ class FastDecoder:
     # --- the four phases of a step (device only) --------------------------------
     def _draft(self) -> None:
         self.block_pos.copy_(self.pos[:, None] + self.offsets)
-        if self.method == "dflash":
+        if self.dft is not None:
             self.drafts.copy_(self.dft.draft(self.last, self.pos, self.B))
+            # drafts at positions below max_position_embeddings only (vLLM's scheduler, the eager loop)
+            torch.clamp(self.max_pos - 1 - self.pos, min=0, max=self.B - 1, out=self.n_draft)
 
     def _verify(self, width: int | None = None) -> None:
         width = width or self.B
@@ -148,7 +151,7 @@ class FastDecoder:
             self.aux.copy_(aux)
 
     def _append(self) -> None:
-        if self.method == "dflash":
+        if self.dft is not None:
             self.dft.append(self.aux, self.block_pos)
 
     def _accept(self, width: int | None = None) -> None:
@@ -185,64 +188,91 @@ class FastDecoder:
 
     # --- prefill (one graph per padded prompt length) ------------------------------
     def _prefill(self, width: int) -> None:
-        """The prefill of the prompts in ``prompt_ids[:, :width]``, entirely on the device (graphable).
+        """The prefill of the rows being filled, their prompts in ``prompt_ids[:, :width]``, on the device
+        (graphable); every other row goes on untouched (continuous batching refills a finished row so).
 
-        Reads ``meta`` (lengths | live rows | max_new_tokens | stop ids, written by ``prefill``).
+        Reads ``meta`` (lengths | rows to fill | max_new_tokens, all per row | stop ids, written by ``fill``).
         Prompts are right-padded to ``width``: a pad token's K/V lands at a slot >= its prompt's
         length, which the first verification overwrites before any query can see it (as the
-        rejected drafts of a step), and only each prompt's last position's logits are kept.
+        rejected drafts of a step), and only each prompt's last position's logits are kept. A row
+        not filled runs through the same forward with every token at the trash slot (never read).
         """
-        self._reset()
         b = self.batch
-        ids, positions = self.prompt_ids[:, :width], self.slot_positions[:, :width]
-        length, live, max_new = self.meta[:b], self.meta[b:2 * b].bool(), self.meta[2 * b]
-        self.stop_ids.copy_(self.meta[2 * b + 1:])
+        length, fill, max_new = self.meta[:b], self.meta[b:2 * b].bool(), self.meta[2 * b:3 * b]
+        ids = self.prompt_ids[:, :width]
+        positions = torch.where(fill[:, None], self.slot_positions[:, :width], self.trash)
+        self.stop_ids.copy_(self.meta[3 * b:])
         logits, aux = self.tgt.forward(ids, positions, last_index=length - 1)
-        if self.method == "dflash":
+        if self.dft is not None:
             self.dft.append(aux, positions)
         first = logits.argmax(dim=-1)
-        self.tokens[:, :width].copy_(ids)
-        self.tokens.scatter_(1, length[:, None], first[:, None])
-        self.pos.copy_(length)
-        self.last.copy_(first)
-        self.limit.copy_(length + max_new - 1)
-        self.active.copy_(live & (self.pos < self.limit) & ~(first[:, None] == self.stop_ids).any(-1))
+        keep = lambda new, old: torch.where(fill.view(-1, *[1] * (old.dim() - 1)), new, old)  # noqa: E731
+        self.tokens[:, :width].copy_(keep(ids, self.tokens[:, :width]))
+        at = length[:, None]  # a row not filled has length 1: its own token 1 is written back
+        self.tokens.scatter_(1, at, keep(first[:, None], self.tokens.gather(1, at)))
+        self.pos.copy_(keep(length, self.pos))
+        self.last.copy_(keep(first, self.last))
+        self.limit.copy_(keep((length + max_new - 1).clamp(max=self.max_pos - 1), self.limit))  # last fillable
+        started = (self.pos < self.limit) & ~(first[:, None] == self.stop_ids).any(-1)
+        self.active.copy_(keep(started, self.active))
+        for counter in (self.n_steps, self.n_drafts):  # each request counts its own steps and drafts
+            counter.copy_(keep(torch.zeros_like(counter), counter))
 
     def prefill_width(self, longest: int) -> int:
         """The padded length a batch whose longest prompt has ``longest`` tokens is prefilled at."""
         return min(round_up(longest, PREFILL_STEP), self.tgt.capacity)
 
     def prefill(self, prompts: list[torch.Tensor], max_new_tokens: int, stop_token_ids=()) -> None:
-        n = len(prompts)
-        lengths = [int(p.shape[-1]) for p in prompts]
-        T = max(lengths)
-        if n > self.batch:
-            raise ValueError(f"{n} prompts, but this decoder was built for batch {self.batch}")
-        if T + max_new_tokens > self.capacity:
-            raise ValueError(f"prompt ({T}) + max_new_tokens ({max_new_tokens}) exceeds the decoder's capacity {self.capacity}")
-        stops = sorted(stop_token_ids)
+        """A new batch: every row reset, prompts in rows 0 .. n-1 (the rest never live)."""
+        if len(prompts) > self.batch:
+            raise ValueError(f"{len(prompts)} prompts, but this decoder was built for batch {self.batch}")
+        self._reset()
+        self._lengths, self._max_new = {}, {}  # row -> its prompt's length, its max_new_tokens
+        self.host_steps = 0  # batch steps of this generation
+        self.fill(dict(enumerate(prompts)), max_new_tokens, stop_token_ids)
+
+    def fill(self, rows: dict[int, torch.Tensor], max_new_tokens, stop_token_ids=()) -> None:
+        """Prefill ``rows`` {row: prompt (T,)} while every other row goes on as it was (continuous batching).
+
+        ``max_new_tokens``: one for every row, or {row: its own} (a request's ``max_tokens``). The stop
+        tokens are the decoder's for every row from here on.
+        """
+        lengths = {b: int(p.shape[-1]) for b, p in rows.items()}
+        if not rows or not all(is_int(b) and 0 <= b < self.batch for b in rows):
+            raise ValueError(f"rows must be some of 0 .. {self.batch - 1}, got {sorted(rows)}")
+        max_new = max_new_tokens if isinstance(max_new_tokens, dict) else dict.fromkeys(rows, max_new_tokens)
+        for b, T in lengths.items():
+            n = max_new.get(b)
+            if not is_int(n) or n < 1:
+                raise ValueError(f"max_new_tokens must be an integer >= 1 for every row, got {n!r} for row {b}")
+            if T > self.max_pos:
+                raise ValueError(f"prompt has {T} tokens, more than the target's max_position_embeddings "
+                                 f"({self.max_pos})")
+            if min(T + n, self.max_pos) > self.capacity:
+                raise ValueError(f"prompt ({T}) + max_new_tokens ({n}) exceeds the decoder's capacity {self.capacity}")
+        stops = sorted(set(stop_token_ids))
         if len(stops) > MAX_STOP_TOKENS:
             raise ValueError(f"at most {MAX_STOP_TOKENS} stop_token_ids, got {len(stops)}")
-        self.host_steps = 0  # batch steps of this generation
+        self._max_new.update({b: max_new[b] for b in rows})
+        self.stop = set(stops)
         # everything the prefill graph reads, in two copies: the prompts (right-padded) and one meta vector
         self.prompt_ids.zero_()
-        for b, p in enumerate(prompts):
+        for b, p in rows.items():
             self.prompt_ids[b, :lengths[b]].copy_(p.reshape(-1))
         meta = self._host_meta
         meta.zero_()
-        meta[:self.batch] = 1  # unused rows: a 1-token "prompt", never live
-        meta[:n] = torch.tensor(lengths)
-        meta[self.batch:self.batch + n] = 1
-        meta[2 * self.batch] = max_new_tokens
-        meta[2 * self.batch + 1:] = -1  # -1: no stop token
+        meta[:self.batch] = 1  # rows not filled: a 1-token "prompt" at the trash slot
+        for b, n in lengths.items():
+            meta[b], meta[self.batch + b], meta[2 * self.batch + b] = n, 1, max_new[b]
+        meta[3 * self.batch:] = -1  # -1: no stop token
         if stops:
-            meta[2 * self.batch + 1:2 * self.batch + 1 + len(stops)] = torch.tensor(stops)
+            meta[3 * self.batch:3 * self.batch + len(stops)] = torch.tensor(stops)
         self.meta.copy_(meta)
-        width = self.prefill_width(T)
+        width = self.prefill_width(max(lengths.values()))
         if width not in self.prefills:  # first batch this long: warm up and capture its graph
             self.prefills[width] = self._graphed(lambda: self._prefill(width), reset=None)
         self.prefills[width]()
-        self._lengths = lengths
+        self._lengths.update(lengths)
 
     # --- decoding -----------------------------------------------------------------
     def _remaining(self) -> torch.Tensor:
@@ -277,59 +307,69 @@ class FastDecoder:
             if remaining <= 0:
                 remaining = int(self._remaining())  # a sync: the exact count
 
-    def _run_prompt_lookup(self, prompts, max_new_tokens: int, stop: set) -> None:
-        """Host-driven: draft from each sequence's tokens, verify on the device, read back, repeat."""
-        seqs = [p.reshape(-1).tolist() for p in prompts]
-        state = torch.stack([self.pos, self.last, self.active.long()], 1).tolist()
-        for b, s in enumerate(seqs):
-            s.append(state[b][1])
-        live = [bool(state[b][2]) for b in range(len(seqs))]
-        K = self.B - 1
-        host_drafts = torch.zeros((self.batch, K), dtype=torch.long, pin_memory=self.device.type == "cuda")
-        host_n = torch.zeros(self.batch, dtype=torch.long, pin_memory=self.device.type == "cuda")
-        while any(live):
-            host_n.zero_()
-            for b, s in enumerate(seqs):
-                d = self.lookup.propose(s, K) if live[b] else []
-                host_n[b] = len(d)
-                if d:
-                    host_drafts[b, :len(d)] = torch.tensor(d)
-            self.drafts.copy_(host_drafts, non_blocking=True)
-            self.n_draft.copy_(host_n, non_blocking=True)
-            (self.step if bool(host_n.any()) else self.step_plain)()
-            self.host_steps += 1
-            back = torch.cat([self.argmax, self.pos[:, None], self.active[:, None].long()], 1).tolist()
-            for b, s in enumerate(seqs):
-                if live[b]:
-                    new_pos, still = back[b][-2], back[b][-1]
-                    s.extend(back[b][:new_pos - (len(s) - 1)])  # argmax 0 .. n
-                    live[b] = bool(still)
+    def host_rows(self, rows) -> dict[int, list[int]]:
+        """After a fill, for drafting on the host: each live row of ``rows`` {row: prompt} -> its tokens so far
+        (the prompt and the first token)."""
+        state = torch.stack([self.last, self.active.long()], 1).tolist()
+        return {b: p.reshape(-1).tolist() + [state[b][0]] for b, p in rows.items() if state[b][1]}
+
+    def host_step(self, seqs: dict[int, list[int]]) -> list[int]:
+        """One host-drafted step (prompt lookup): drafts from each live row's tokens ``seqs`` {row: tokens},
+        verified on the device, read back into ``seqs``; returns the rows that finished (gone from ``seqs``)."""
+        K, host_drafts, host_n = self.B - 1, self._host_drafts, self._host_n
+        host_n.zero_()
+        for b, s in seqs.items():
+            d = self.lookup.propose(s, min(K, self.max_pos - len(s)))[:K]
+            host_n[b] = len(d)
+            if d:
+                host_drafts[b, :len(d)] = torch.tensor(d)
+        self.drafts.copy_(host_drafts, non_blocking=True)
+        self.n_draft.copy_(host_n, non_blocking=True)
+        (self.step if bool(host_n.any()) else self.step_plain)()
+        self.host_steps += 1
+        back = torch.cat([self.argmax, self.pos[:, None], self.active[:, None].long()], 1).tolist()
+        finished = []
+        for b, s in list(seqs.items()):
+            new_pos, still = back[b][-2], back[b][-1]
+            s.extend(back[b][:new_pos - (len(s) - 1)])  # argmax 0 .. n
+            if not still:
+                finished.append(b)
+                del seqs[b]
+        return finished
 
     @torch.no_grad()
-    def generate(self, prompts: list[torch.Tensor], *, max_new_tokens: int, stop_token_ids=()) -> list[SpecDecodeResult]:
+    def generate(self, prompts: list[torch.Tensor], *, max_new_tokens: int,
+                 stop_token_ids=()) -> list[SpecDecodeResult]:
         """Greedy continuations of up to ``batch`` prompts (each (T,) or (1, T)), one result per prompt."""
         stop = set(stop_token_ids or ())
         prompts = [p.to(self.device) for p in prompts]
         if max_new_tokens < 1:
-            return [SpecDecodeResult(p.reshape(1, -1).clone(), SpecDecodeStats(), [], int(p.shape[-1])) for p in prompts]
+            return [SpecDecodeResult(p.reshape(1, -1).clone(), SpecDecodeStats(), [], int(p.shape[-1]))
+                    for p in prompts]
         self.prefill(prompts, max_new_tokens, stop)
-        if self.method == "ngram":
-            self._run_prompt_lookup(prompts, max_new_tokens, stop)
+        if self.lookup is not None:  # host-driven: draft from each sequence's tokens, verify, read back, repeat
+            seqs = self.host_rows(dict(enumerate(prompts)))
+            while seqs:
+                self.host_step(seqs)
         else:
             self._run_on_device()
-        return self._results(prompts, max_new_tokens, stop)
+        return self.results(range(len(prompts)))
 
-    def _results(self, prompts, max_new_tokens: int, stop: set) -> list[SpecDecodeResult]:
-        # one read-back (one sync) for everything: tokens | pos | steps | drafts | draft_log | accepted_log
+    def results(self, rows) -> list[SpecDecodeResult]:
+        """The generations of ``rows`` (filled since the last ``prefill``), one read-back (one sync) for all:
+        tokens | pos | steps | drafts | draft_log | accepted_log."""
+        rows = list(rows)
         S, L = self.tokens.shape[1], self.draft_log.shape[1]
         counts = torch.stack([self.pos, self.n_steps, self.n_drafts], dim=1)
-        rows = torch.cat([self.tokens, counts, self.draft_log, self.accepted_log], dim=1)[:len(self._lengths)].tolist()
-        tokens, draft_log, accepted_log = ([r[a:a + w] for r in rows] for a, w in
+        index = torch.tensor(rows, dtype=torch.long, device=self.device)
+        back = torch.cat([self.tokens, counts, self.draft_log, self.accepted_log], dim=1)[index].tolist()
+        tokens, draft_log, accepted_log = ([r[a:a + w] for r in back] for a, w in
                                            ((0, S), (S + 3, L), (S + 3 + L, L)))
-        pos, steps, drafts = ([r[S + i] for r in rows] for i in range(3))
-        out = []
-        for b, T in enumerate(self._lengths):
-            new = tokens[b][T:min(pos[b] + 1, T + max_new_tokens)]
+        pos, steps, drafts = ([r[S + i] for r in back] for i in range(3))
+        out, stop = [], self.stop
+        for b, row in enumerate(rows):
+            T = self._lengths[row]
+            new = tokens[b][T:min(pos[b] + 1, T + self._max_new[row], self.max_pos)]
             for i, tok in enumerate(new):
                 if tok in stop:
                     new = new[:i + 1]
@@ -340,78 +380,3 @@ class FastDecoder:
             ids = torch.tensor([tokens[b][:T] + new], dtype=torch.long, device=self.device)
             out.append(SpecDecodeResult(ids, stats, [], T))
         return out
-
-
-# ---------------------------------------------------------------------------
-# Entry points
-# ---------------------------------------------------------------------------
-
-
-def _capacity(prompts, max_new_tokens: int) -> int:
-    return max(int(p.shape[-1]) for p in prompts) + max_new_tokens
-
-
-CAPACITY_STEP = 256  # cached decoders are sized in steps, so prompts of similar length share one
-MAX_CACHED_DECODERS = 4  # per target, least recently used dropped first
-_DECODERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # target -> OrderedDict(key -> FastDecoder)
-
-
-def cached_decoder(target, drafter, *, batch: int, block_size: int, capacity: int, cuda_graphs: bool = True,
-                   moe: str = "auto") -> FastDecoder:
-    """The ``FastDecoder`` for (target, drafter, batch, block size, capacity, graphs, moe), built on first use.
-
-    Building one allocates every buffer and captures its CUDA graphs; ``fast_generate`` called
-    once per prompt would otherwise pay that on every call (measured on an H200: 1.08x
-    target-only instead of the benchmark's 1.7-2.0x). The decoder reads the drafter's weights
-    live, but the target's q/k/v and MLP weights are concatenated once: after changing the
-    target's weights, call ``clear_decoder_cache()``.
-    """
-    per_target = _DECODERS.setdefault(target, OrderedDict())
-    capacity = min(round_up(capacity, CAPACITY_STEP), target.config.max_position_embeddings)
-    key = (drafter, batch, block_size, capacity, cuda_graphs, moe)
-    if key in per_target:
-        per_target.move_to_end(key)
-    else:
-        per_target[key] = FastDecoder(target, drafter, batch=batch, block_size=block_size, capacity=capacity,
-                                      cuda_graphs=cuda_graphs, moe=moe)
-        while len(per_target) > MAX_CACHED_DECODERS:
-            per_target.popitem(last=False)
-    return per_target[key]
-
-
-def clear_decoder_cache() -> None:
-    """Forget every cached decoder (their buffers and graphs go with them)."""
-    _DECODERS.clear()
-
-
-def fast_generate_batch(target, drafter, prompts, *, max_new_tokens: int, block_size: int | None = None,
-                        cuda_graphs: bool = True, stop_token_ids=(), moe: str = "auto") -> list[SpecDecodeResult]:
-    """Greedy decoding of all ``prompts`` in one batch (see the module docstring); one result per prompt.
-
-    drafter: a DFlashLagunaDrafter, "ngram", None (no drafter) or a proposer; anything else is
-    refused (``proposers.resolve_drafter``). block_size defaults to the drafter's config.block_size
-    (a proposer's own block_size: 16 for "ngram"). The decoder is built
-    once per shape and reused (``cached_decoder``).
-    """
-    prompts = [torch.as_tensor(p).reshape(-1) for p in prompts]
-    if not prompts:
-        return []
-    if block_size is None:
-        block_size = default_block_size(resolve_drafter(drafter))
-    max_pos = target.config.max_position_embeddings
-    if _capacity(prompts, max_new_tokens) > max_pos:
-        raise ValueError(f"prompt + max_new_tokens ({_capacity(prompts, max_new_tokens)}) exceeds the target's "
-                         f"max_position_embeddings ({max_pos})")
-    dec = cached_decoder(target, drafter, batch=len(prompts), block_size=block_size,
-                         capacity=_capacity(prompts, max_new_tokens), cuda_graphs=cuda_graphs, moe=moe)
-    return dec.generate(prompts, max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids)
-
-
-def fast_generate(target, drafter, input_ids, *, max_new_tokens: int, block_size: int | None = None,
-                  cuda_graphs: bool = True, stop_token_ids=(), moe: str = "auto") -> SpecDecodeResult:
-    """``speculative_generate``'s greedy result for one prompt, from the static, graphed path."""
-    ids = torch.as_tensor(input_ids)
-    if ids.dim() == 2 and ids.shape[0] != 1:
-        raise ValueError(f"input_ids must hold one sequence, got shape {tuple(ids.shape)}")
-    return fast_generate_batch(target, drafter, [ids.reshape(-1)], max_new_tokens=max_new_tokens, block_size=block_size,
-                               cuda_graphs=cuda_graphs, stop_token_ids=stop_token_ids, moe=moe)[0]

@@ -1,9 +1,9 @@
 """The drafter's side of the static path: context K/V in preallocated slots, no host copies or syncs.
 
 The eager proposer (``proposers.py``) keeps the context K/V beside the block and the
-drafter concatenates them in every layer (``drafter.ConcatKV``). Here the buffers are
+drafter concatenates them in every layer (``block_attention.ConcatKV``). Here the buffers are
 (L, batch, S, nkv, hd) with slot == position, as the target's cache (``static_target.py``),
-and the drafter's own forward runs over them through ``drafter.SlotKV``:
+and the drafter's own forward runs over them through ``block_attention.SlotKV``:
 
     append   the context K/V of a block's positions (the folded path, fused kernel
              on CUDA), scattered at their slots. The loop appends ALL B block
@@ -16,7 +16,7 @@ and the drafter's own forward runs over them through ``drafter.SlotKV``:
              the B-1 drafts
 
 Nothing about attention is written here: causality, the window and the mask are the
-drafter's (``drafter.visible_keys``). The context length of sequence b is t_b: its last
+drafter's (``block_attention.visible_keys``). The context length of sequence b is t_b: its last
 emitted token x_t is not yet context (its target features come from the next verification).
 """
 
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from ...drafter import SlotKV, draft_block_ids
+from ...block_attention import SlotKV
 from . import triton_ops
 from .static_target import round_up
 
@@ -36,7 +36,7 @@ class StaticDrafter:
         cfg = drafter.config
         p = next(drafter.parameters())
         self.drafter, self.device, self.dtype = drafter, p.device, p.dtype
-        self.embed, self.lm_head = target.get_input_embeddings(), target.lm_head
+        self.target = target  # its embedding table and lm_head
         self.batch, self.capacity = batch, round_up(capacity, 16)
         shape = (len(drafter.layers), batch, self.capacity, cfg.num_key_value_heads, cfg.head_dim)
         self.kv = SlotKV(torch.zeros(shape, device=self.device, dtype=self.dtype),
@@ -46,14 +46,12 @@ class StaticDrafter:
     def append(self, aux: torch.Tensor, positions: torch.Tensor) -> None:
         """Context K/V of target features aux (B, Q, n_aux * H_t) at positions (B, Q), written at those slots."""
         B, Q, _ = aux.shape
-        context = self.drafter.combine_hidden_states(aux.reshape(B * Q, -1), ops=triton_ops)  # (B*Q, H)
-        k, v = self.drafter.precompute_context_kv(context, positions.reshape(-1))  # (L, B*Q, nkv, hd) each
+        k, v = self.drafter.context_kv(aux.reshape(B * Q, -1), positions.reshape(-1), ops=triton_ops)  # (L, B*Q, ..)
         self.kv.write(positions, k.unflatten(1, (B, Q)), v.unflatten(1, (B, Q)))
 
     def draft(self, last_token: torch.Tensor, start: torch.Tensor, block_size: int) -> torch.Tensor:
         """Greedy drafts (B, block_size - 1) for blocks [last_token, MASK ...] at positions
         start .. start+block_size-1."""
-        ids = draft_block_ids(last_token, block_size, self.drafter.config.mask_token_id)  # (B, Q)
         positions = start[:, None] + self.offsets[:block_size]  # (B, Q)
-        hidden = self.drafter(self.embed(ids), positions, kv=self.kv, ops=triton_ops)  # (B, Q, H)
-        return self.lm_head(hidden[:, 1:]).argmax(dim=-1)  # (B, Q-1): position j predicts the token AT t+j
+        logits = self.drafter.block_logits(self.target, last_token[:, None], positions, kv=self.kv, ops=triton_ops)
+        return logits[:, 0].argmax(dim=-1)  # (B, Q-1): position j predicts the token AT t+j

@@ -1,0 +1,172 @@
+"""A stream of requests at a concurrency: continuous batching on the fast path, as vLLM's scheduler does it.
+
+    run = serve(decoder, prompts, max_new_tokens=96)                  continuous (vLLM's way)
+    run = serve(decoder, prompts, max_new_tokens=96, policy="static") a batch at a time, the worked counter-example
+    run.metrics()   what ``vllm bench serve`` prints: request and output-token throughput, TTFT, TPOT, E2EL
+
+Every request arrives at time 0 and at most ``decoder.batch`` run at once (``vllm bench serve
+--request-rate inf --max-concurrency B``). vLLM's scheduler keeps up to ``max_num_seqs`` requests
+running; when one finishes (its length, a stop token) the next waiting request is scheduled into
+the freed place at the next step (``v1/core/sched/scheduler.py``), so the batch stays full until the
+queue runs dry. Here a decoder row is that place: a finished row is read back and refilled with the
+next prompt (``FastDecoder.fill``: that row's prefill, caches and context K/V overwritten, the
+other rows untouched), and the graphed step goes on at the same (batch, block) shape.
+
+``policy="static"`` admits a new batch only when every row of the last one is done: a batch runs as
+many steps as its slowest sequence needs while finished rows idle (the straggler effect). Both
+policies run through the same loop, so they differ in nothing but admission.
+
+Between reads the host replays ceil(r / B) steps, r the fewest tokens any running request still
+has to emit: no request can end sooner (a step emits at most B tokens per row), so a row idles only
+after a stop token. Prompt lookup drafts on the host and reads back every step (``host_step``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ...runtime import is_int, synchronized_time
+from ..loop import SpecDecodeResult
+from ..stats import SpecDecodeStats
+from .decoder import FastDecoder
+
+POLICIES = ("continuous", "static")
+
+
+@dataclass
+class Request:
+    """One request of the stream: its result and its times from arrival (every request arrives at 0)."""
+
+    index: int  # its place in the stream
+    row: int  # the decoder row that served it
+    result: SpecDecodeResult
+    admitted_s: float  # when its prefill was launched (the time it waited for a row)
+    first_token_s: float  # TTFT: its prefill done, the first token out
+    finished_s: float  # E2EL: its last token read back
+
+    @property
+    def num_tokens(self) -> int:
+        return self.result.stats.num_generated_tokens
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Time per output token after the first (vLLM's TPOT); None for a one-token request."""
+        n = self.num_tokens
+        return (self.finished_s - self.first_token_s) / (n - 1) if n > 1 else None
+
+
+@dataclass
+class ServeRun:
+    """What ``serve`` measured: every request (in stream order), the wall time and the batch steps."""
+
+    policy: str
+    concurrency: int
+    requests: list[Request]
+    seconds: float
+    steps: int  # batch steps (graph replays, or host-drafted steps)
+    fills: int  # prefill calls (several rows may share one)
+    stats: SpecDecodeStats = field(repr=False)
+
+    @property
+    def tokens(self) -> int:
+        return sum(r.num_tokens for r in self.requests)
+
+    def steps_per_request(self) -> list[int]:
+        """Target forwards after the prefill that each request needed (its own steps, not its batch's)."""
+        return [r.result.stats.num_target_forwards - 1 for r in self.requests]
+
+    def metrics(self) -> dict:
+        """``vllm bench serve``'s summary: throughputs, and mean / median / p99 of TTFT, TPOT and E2EL in ms."""
+        out = {"policy": self.policy, "concurrency": self.concurrency, "requests": len(self.requests),
+               "tokens": self.tokens, "seconds": round(self.seconds, 4), "batch_steps": self.steps,
+               "request_throughput": round(len(self.requests) / self.seconds, 3),
+               "output_throughput": round(self.tokens / self.seconds, 1)}
+        series = {"ttft": [r.first_token_s for r in self.requests],
+                  "tpot": [t for r in self.requests if (t := r.tpot_s) is not None],
+                  "e2el": [r.finished_s for r in self.requests]}
+        for name, values in series.items():
+            ms = 1e3 * np.asarray(values or [float("nan")])
+            out.update({f"mean_{name}_ms": round(float(ms.mean()), 4),
+                        f"median_{name}_ms": round(float(np.median(ms)), 4),
+                        f"p99_{name}_ms": round(float(np.percentile(ms, 99)), 4)})
+        return out
+
+
+@torch.no_grad()
+def serve(decoder: FastDecoder, prompts, *, max_new_tokens, stop_token_ids=(),
+          policy: str = "continuous") -> ServeRun:
+    """Serve ``prompts`` (each (T,) or (1, T)) at concurrency ``decoder.batch``; see the module docstring.
+
+    ``max_new_tokens``: one for every request, or one per request (a list as long as ``prompts``).
+    """
+    if policy not in POLICIES:
+        raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+    prompts = list(prompts)
+    limits = list(max_new_tokens) if isinstance(max_new_tokens, (list, tuple)) else [max_new_tokens] * len(prompts)
+    if len(limits) != len(prompts) or not all(is_int(n) and n >= 1 for n in limits):
+        raise ValueError(f"max_new_tokens must be an integer >= 1, or one per prompt ({len(prompts)}), "
+                         f"got {max_new_tokens!r}")
+    device, host = decoder.device, decoder.lookup is not None
+    waiting = deque((i, torch.as_tensor(p).reshape(-1).to(device)) for i, p in enumerate(prompts))
+    running: dict[int, int] = {}  # row -> request index
+    admitted: dict[int, tuple[float, float]] = {}  # request index -> (launched, first token)
+    seqs: dict[int, list[int]] = {}  # host drafting: live row -> its tokens
+    done: list[Request] = []
+    steps = fills = 0
+    start = synchronized_time(device)
+
+    def admit(rows) -> None:
+        nonlocal fills
+        batch, limit = {}, {}
+        for b in rows:
+            if not waiting:
+                break
+            i, p = waiting.popleft()
+            batch[b], limit[b], running[b] = p, limits[i], i
+        if not batch:
+            return
+        launched = synchronized_time(device) - start
+        if fills == 0:
+            decoder.prefill(list(batch.values()), limit, stop_token_ids)  # rows 0 .. n-1, all reset
+        else:
+            decoder.fill(batch, limit, stop_token_ids)
+        fills += 1
+        first = synchronized_time(device) - start
+        for b in batch:
+            admitted[running[b]] = (launched, first)
+        if host:
+            seqs.update(decoder.host_rows(batch))
+
+    admit(range(min(decoder.batch, len(waiting))))
+    while running:
+        if host:
+            finished = [b for b in running if b not in seqs]
+        else:
+            active, remaining = torch.stack([decoder.active.long(), decoder.limit - decoder.pos]).tolist()
+            finished = [b for b in running if not active[b]]
+        if finished:
+            results = decoder.results(finished)  # one read-back for all of them
+            now = synchronized_time(device) - start
+            for b, result in zip(finished, results):
+                i = running.pop(b)
+                done.append(Request(i, b, result, *admitted[i], now))
+            if policy == "continuous" or not running:
+                admit(sorted(finished) if policy == "continuous" else range(decoder.batch))
+            continue
+        if host:
+            decoder.host_step(seqs)
+            steps += 1
+            continue
+        k = max(1, math.ceil(min(remaining[b] for b in running) / decoder.B))
+        for _ in range(k):
+            decoder.step()
+        steps += k
+    seconds = synchronized_time(device) - start
+    done.sort(key=lambda r: r.index)
+    return ServeRun(policy, decoder.batch, done, seconds, steps, fills,
+                    sum((r.result.stats for r in done), SpecDecodeStats()))
