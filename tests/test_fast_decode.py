@@ -360,3 +360,29 @@ def test_serve_refuses_what_it_cannot_run(small_pair):
         serve(dec, [torch.tensor(PROMPTS[0])] * 2, max_new_tokens=[4])
     with pytest.raises(ValueError, match="capacity"):
         serve(dec, [torch.tensor(PROMPTS[0])], max_new_tokens=200)
+
+
+@pytest.mark.parametrize("proposer", ["dflash", "ngram"])
+def test_a_per_batch_schedule_drafts_the_k_vllm_reads_for_the_running_batch(small_pair, proposer):
+    """vLLM 0.33's num_speculative_tokens_per_batch_size on the fast path: K by the number of running
+    requests (here 3 running: K 1, fewer: K 7); outputs stay target.generate's, every draft is at most
+    that K, and the steps ran at both widths (the stream drains below 3 at its end)."""
+    from dflash_lab.spec_decode.fast.serving import serve
+    from dflash_lab.spec_decode.schedule import SpeculationSchedule
+
+    target, drafter = small_pair
+    drafter = drafter if proposer == "dflash" else proposer
+    schedule = SpeculationSchedule.from_config([[1, 2, 7], [3, 3, 1]], max_batch=3, num_speculative_tokens=7)
+    prompts = [torch.tensor(p * 3) for p in PROMPTS] * 2
+    dec = FastDecoder(target, drafter, batch=3, block_size=8, capacity=64, cuda_graphs=False,
+                      widths=[k + 1 for k in schedule.ks])
+    max_new = [16, 8, 4, 12, 16, 6]  # ragged ends: the stream's last requests run fewer than 3 at a time
+    run = serve(dec, prompts, max_new_tokens=max_new, schedule=schedule)
+    for p, n, req in zip(prompts, max_new, run.requests):
+        expected = target.generate(p[None], max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+        assert torch.equal(req.result.output_ids, expected)
+    assert set(run.widths) == {2, 8} and sum(run.widths.values()) == run.steps
+    assert run.stats.num_draft_tokens <= 7 * run.stats.num_drafts
+    with pytest.raises(ValueError, match="widths"):  # a width the decoder did not capture is refused up front
+        serve(FastDecoder(target, drafter, batch=3, block_size=8, capacity=64, cuda_graphs=False), prompts,
+              max_new_tokens=4, schedule=schedule)

@@ -67,7 +67,7 @@ class FastDecoder:
     """
 
     def __init__(self, target, drafter=None, *, batch: int, block_size: int, capacity: int, cuda_graphs: bool = True,
-                 moe: str = "auto", phase_graphs: bool = False):
+                 moe: str = "auto", phase_graphs: bool = False, widths=()):
         self.proposer = proposer = resolve_drafter(drafter)
         # a block above the trained one runs, as in vLLM (it never reads block_size)
         block_size = check_block_size(block_size, proposer) if proposer.proposes else 1
@@ -95,7 +95,7 @@ class FastDecoder:
         # per-step values passed between the phases
         self.block_pos, self.drafts, self.argmax = z(batch, block_size), z(batch, K), z(batch, block_size)
         self.n_draft = torch.full((batch,), K, dtype=torch.long, device=self.device)  # drafts to verify (ngram: 0 .. K)
-        self.aux = None
+        self.aux: dict[int, torch.Tensor] = {}  # verify width -> the target features of its block
         # prefill inputs (device): right-padded prompts, and lengths | rows to fill | max_new_tokens | stop ids
         self.prompt_ids = z(batch, S)
         self.slot_positions = torch.arange(S, device=self.device).expand(batch, S)
@@ -118,6 +118,10 @@ class FastDecoder:
         self._graphed = graphed
         self.prefills: dict[int, GraphedStep] = {}  # padded prompt length -> its prefill, captured on first use
         self.step = graphed(self._step)
+        # narrower steps a per-batch schedule switches to (``step_at``), captured now: capture resets the state
+        if not all(is_int(w) and 1 <= w <= block_size for w in widths or ()):
+            raise ValueError(f"widths must be step widths in 1 .. {block_size} (the block), got {widths!r}")
+        self.steps = {w: graphed(lambda w=w: self._step(w)) for w in sorted(set(widths or ())) if w != block_size}
         self.step_plain = graphed(self._step_without_drafts) if self.lookup is not None else None
         noop = {"append"} if self.dft is None else set()  # an empty graph cannot be captured
         self.phases = {name: GraphedStep(getattr(self, f"_{name}"), enabled=False, device=self.device) if name in noop
@@ -133,12 +137,16 @@ class FastDecoder:
         self.active.zero_()
 
     # --- the four phases of a step (device only) --------------------------------
-    def _draft(self) -> None:
+    # A step of ``width`` W <= B verifies [x_t, d_1 .. d_{W-1}]: the block a per-batch schedule picks
+    # (W = K + 1; W = 1 verifies x_t alone and still appends its context K/V).
+    def _draft(self, width: int | None = None) -> None:
+        width = width or self.B
         self.block_pos.copy_(self.pos[:, None] + self.offsets)
+        if self.dft is not None and width > 1:
+            self.drafts[:, :width - 1].copy_(self.dft.draft(self.last, self.pos, width))
         if self.dft is not None:
-            self.drafts.copy_(self.dft.draft(self.last, self.pos, self.B))
             # drafts at positions below max_position_embeddings only (vLLM's scheduler, the eager loop)
-            torch.clamp(self.max_pos - 1 - self.pos, min=0, max=self.B - 1, out=self.n_draft)
+            torch.clamp(self.max_pos - 1 - self.pos, min=0, max=width - 1, out=self.n_draft)
 
     def _verify(self, width: int | None = None) -> None:
         width = width or self.B
@@ -146,13 +154,14 @@ class FastDecoder:
         logits, aux = self.tgt.forward(ids, self.block_pos[:, :width])
         self.argmax[:, :width].copy_(logits.argmax(dim=-1))
         if aux is not None:
-            if self.aux is None:
-                self.aux = torch.empty_like(aux)
-            self.aux.copy_(aux)
+            if width not in self.aux:
+                self.aux[width] = torch.empty_like(aux)
+            self.aux[width].copy_(aux)
 
-    def _append(self) -> None:
+    def _append(self, width: int | None = None) -> None:
+        width = width or self.B
         if self.dft is not None:
-            self.dft.append(self.aux, self.block_pos)
+            self.dft.append(self.aux[width], self.block_pos[:, :width])
 
     def _accept(self, width: int | None = None) -> None:
         width = width or self.B
@@ -174,11 +183,21 @@ class FastDecoder:
         self.last.copy_(torch.where(active, nxt, self.last))
         self.active &= ~(stopped | (new_pos >= self.limit))
 
-    def _step(self) -> None:
-        self._draft()
-        self._verify()
-        self._append()
-        self._accept()
+    def _step(self, width: int | None = None) -> None:
+        self._draft(width)
+        self._verify(width)
+        self._append(width)
+        self._accept(width)
+
+    def step_at(self, width: int) -> GraphedStep:
+        """The graphed step that verifies ``width`` tokens per row (a schedule's K + 1), captured once."""
+        if width == self.B:
+            return self.step
+        if not is_int(width) or not 1 <= width <= self.B:
+            raise ValueError(f"a step verifies 1 .. {self.B} tokens per row (the decoder's block), got {width!r}")
+        if width not in self.steps:  # capturing resets the decode state: warm every width before decoding
+            raise ValueError(f"no step of width {width} was captured: build the FastDecoder with widths={width!r}")
+        return self.steps[width]
 
     def _step_without_drafts(self) -> None:
         """A prompt-lookup step in which no sequence found a draft: verify x_t alone."""
@@ -313,10 +332,12 @@ class FastDecoder:
         state = torch.stack([self.last, self.active.long()], 1).tolist()
         return {b: p.reshape(-1).tolist() + [state[b][0]] for b, p in rows.items() if state[b][1]}
 
-    def host_step(self, seqs: dict[int, list[int]]) -> list[int]:
-        """One host-drafted step (prompt lookup): drafts from each live row's tokens ``seqs`` {row: tokens},
-        verified on the device, read back into ``seqs``; returns the rows that finished (gone from ``seqs``)."""
-        K, host_drafts, host_n = self.B - 1, self._host_drafts, self._host_n
+    def host_step(self, seqs: dict[int, list[int]], width: int | None = None) -> list[int]:
+        """One host-drafted step (prompt lookup) of ``width`` (default B): drafts from each live row's tokens
+        ``seqs`` {row: tokens}, verified on the device, read back into ``seqs``; returns the rows that
+        finished (gone from ``seqs``)."""
+        width = width or self.B
+        K, host_drafts, host_n = width - 1, self._host_drafts, self._host_n
         host_n.zero_()
         for b, s in seqs.items():
             d = self.lookup.propose(s, min(K, self.max_pos - len(s)))[:K]
@@ -325,7 +346,7 @@ class FastDecoder:
                 host_drafts[b, :len(d)] = torch.tensor(d)
         self.drafts.copy_(host_drafts, non_blocking=True)
         self.n_draft.copy_(host_n, non_blocking=True)
-        (self.step if bool(host_n.any()) else self.step_plain)()
+        (self.step_at(width) if bool(host_n.any()) else self.step_plain)()
         self.host_steps += 1
         back = torch.cat([self.argmax, self.pos[:, None], self.active[:, None].long()], 1).tolist()
         finished = []

@@ -71,6 +71,7 @@ class ServeRun:
     steps: int  # batch steps (graph replays, or host-drafted steps)
     fills: int  # prefill calls (several rows may share one)
     stats: SpecDecodeStats = field(repr=False)
+    widths: dict[int, int] = field(default_factory=dict)  # step width (K + 1) -> batch steps run at it
 
     @property
     def tokens(self) -> int:
@@ -98,11 +99,14 @@ class ServeRun:
 
 
 @torch.no_grad()
-def serve(decoder: FastDecoder, prompts, *, max_new_tokens, stop_token_ids=(),
-          policy: str = "continuous") -> ServeRun:
+def serve(decoder: FastDecoder, prompts, *, max_new_tokens, stop_token_ids=(), policy: str = "continuous",
+          schedule=None) -> ServeRun:
     """Serve ``prompts`` (each (T,) or (1, T)) at concurrency ``decoder.batch``; see the module docstring.
 
     ``max_new_tokens``: one for every request, or one per request (a list as long as ``prompts``).
+    ``schedule``: a ``spec_decode.schedule.SpeculationSchedule`` (vLLM's ``num_speculative_tokens_per_batch_size``):
+    each step drafts the K it gives for the number of running requests, as vLLM's scheduler reads it; the
+    decoder must hold a step for every K + 1 (``FastDecoder(widths=[k + 1 for k in schedule.ks])``).
     """
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
@@ -112,12 +116,20 @@ def serve(decoder: FastDecoder, prompts, *, max_new_tokens, stop_token_ids=(),
         raise ValueError(f"max_new_tokens must be an integer >= 1, or one per prompt ({len(prompts)}), "
                          f"got {max_new_tokens!r}")
     device, host = decoder.device, decoder.lookup is not None
+    def width_for(batch: int) -> int:  # the step's width: K + 1 for this many running requests
+        return decoder.B if schedule is None or decoder.B == 1 else min(schedule.k_for_batch(batch) + 1, decoder.B)
+    if schedule is not None:
+        if schedule.max_batch < decoder.batch:
+            raise ValueError(f"the schedule ends at batch {schedule.max_batch}, below the decoder's {decoder.batch}")
+        for b in range(1, decoder.batch + 1):
+            decoder.step_at(width_for(b))  # refused now, not mid-stream, when a width was not captured
     waiting = deque((i, torch.as_tensor(p).reshape(-1).to(device)) for i, p in enumerate(prompts))
     running: dict[int, int] = {}  # row -> request index
     admitted: dict[int, tuple[float, float]] = {}  # request index -> (launched, first token)
     seqs: dict[int, list[int]] = {}  # host drafting: live row -> its tokens
     done: list[Request] = []
     steps = fills = 0
+    widths: dict[int, int] = {}  # step width -> bursts run at it
     start = synchronized_time(device)
 
     def admit(rows) -> None:
@@ -158,15 +170,18 @@ def serve(decoder: FastDecoder, prompts, *, max_new_tokens, stop_token_ids=(),
             if policy == "continuous" or not running:
                 admit(sorted(finished) if policy == "continuous" else range(decoder.batch))
             continue
+        width = width_for(len(running))
         if host:
-            decoder.host_step(seqs)
-            steps += 1
-            continue
-        k = max(1, math.ceil(min(remaining[b] for b in running) / decoder.B))
-        for _ in range(k):
-            decoder.step()
+            decoder.host_step(seqs, width)
+            k = 1
+        else:
+            k = max(1, math.ceil(min(remaining[b] for b in running) / width))
+            step = decoder.step_at(width)
+            for _ in range(k):
+                step()
         steps += k
+        widths[width] = widths.get(width, 0) + k
     seconds = synchronized_time(device) - start
     done.sort(key=lambda r: r.index)
     return ServeRun(policy, decoder.batch, done, seconds, steps, fills,
-                    sum((r.result.stats for r in done), SpecDecodeStats()))
+                    sum((r.result.stats for r in done), SpecDecodeStats()), widths)
