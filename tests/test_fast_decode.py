@@ -386,3 +386,25 @@ def test_a_per_batch_schedule_drafts_the_k_vllm_reads_for_the_running_batch(smal
     with pytest.raises(ValueError, match="widths"):  # a width the decoder did not capture is refused up front
         serve(FastDecoder(target, drafter, batch=3, block_size=8, capacity=64, cuda_graphs=False), prompts,
               max_new_tokens=4, schedule=schedule)
+
+
+def test_serving_records_are_the_timing_records_with_vllm_bench_serves_latencies(small_pair):
+    """measure_serving: one record per (method, block, concurrency, batching), outputs equal target-only's,
+    static batches run as long as their slowest request, speed-ups taken at the same concurrency and batching."""
+    from dflash_lab.measure.serving import measure_serving, serving_speedups
+
+    target, drafter = small_pair
+    prompts = [torch.tensor(p) for p in PROMPTS]
+    records = measure_serving(target, {"dflash": drafter}, prompts, concurrencies=(1, 2), block_sizes=(4,),
+                              num_requests=5, max_new_tokens=6, cuda_graphs=False, progress=lambda s: None)
+    runs = {(r["batch"], r["batching"], r["method"]) for r in records}
+    assert runs == {(c, b, m) for m in ("target_only", "dflash", "prompt_lookup") for c, b in
+                    ((1, "continuous"), (2, "continuous"), (2, "static"))}
+    for r in records:
+        assert r["outputs_equal_target_only"] == "5/5" and r["requests"] == 5 and len(r["request_steps"]) == 5
+        assert r["tokens"] == 30 and r["p99_e2el_ms"] >= r["median_e2el_ms"] > 0
+        if r["batching"] == "static":
+            assert r["static_batch_steps"] == [max(r["request_steps"][i:i + 2]) for i in (0, 2, 4)]
+            assert r["batch_steps"] == sum(r["static_batch_steps"])
+    assert {(s["batch"], s["batching"]) for s in serving_speedups(records) if s["method"] == "target_only"
+            and s["speedup"] == 1.0} == {(1, "continuous"), (2, "continuous"), (2, "static")}

@@ -1,0 +1,135 @@
+"""A stream of requests served at a concurrency on the fast path: tokens/s and latency, continuous and static.
+
+One record per (method, block size, concurrency, batching), in ``measure.decoding``'s format (method,
+block_size, batch = the concurrency, cuda_graphs, tokens_per_s, mean_acceptance_length, tokens, seconds,
+device, dtype, prompt_set, backend) and:
+
+    batching             "continuous" (a finished row takes the next request: vLLM's scheduler) or
+                         "static" (a new batch only when the last one is done)
+    requests             the stream's length; every request arrives at 0 (``vllm bench serve
+                         --request-rate inf --max-concurrency B``)
+    request_throughput, mean/median/p99 _ttft_ms, _tpot_ms, _e2el_ms     ``vllm bench serve``'s names
+    batch_steps          graph replays (host-drafted steps for prompt lookup)
+    request_steps        each request's own target forwards after its prefill, in stream order
+    static_batch_steps   static batching: the steps each batch ran (its slowest request's), in order
+    outputs_equal_target_only   requests whose tokens equal target-only's at the same concurrency
+
+Every configuration first serves the whole stream for 2 tokens (each prompt length's prefill graph is
+captured then, outside the clock), then the stream for real. At concurrency 1 the two batchings admit
+alike, so only "continuous" is run there. ``python -m dflash_lab.tools.bench spec-decode --serve``
+writes these records; the "Serving at batch" chapter times them live.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+
+import torch
+
+from ..runtime import device_name
+from ..spec_decode.fast.decoder import FastDecoder
+from ..spec_decode.fast.serving import serve
+
+BATCHINGS = ("continuous", "static")
+CONCURRENCIES = (1, 8, 32, 64)  # the issue's and ``vllm bench serve``'s usual sweep
+NUM_REQUESTS = 128
+
+
+def request_stream(prompts, num_requests: int) -> list[torch.Tensor]:
+    """``num_requests`` prompts, the given ones in order and again from the start as often as needed."""
+    if not prompts:
+        raise ValueError("request_stream needs at least one prompt")
+    return [prompts[i % len(prompts)] for i in range(num_requests)]
+
+
+def static_batch_steps(request_steps: list[int], concurrency: int) -> list[int]:
+    """Static batching: each batch of ``concurrency`` consecutive requests runs until its slowest is done."""
+    return [max(request_steps[i:i + concurrency]) for i in range(0, len(request_steps), concurrency)]
+
+
+def serving_methods(drafters: dict, block_sizes) -> list[tuple[str, object, int]]:
+    """(method, drafter argument, block) in the order they are measured; drafters as ``drafter_methods`` names them
+    ({"dflash": d, "dflash_poolside": d2})."""
+    runs = [("target_only", None, 1)]
+    runs += [(m, d, b) for m, d in drafters.items() for b in block_sizes]
+    return runs + [("prompt_lookup", "ngram", b) for b in block_sizes]
+
+
+def measure_serving(target, drafters: dict, prompts, *, concurrencies=CONCURRENCIES, block_sizes=(16,),
+                    batchings=BATCHINGS, num_requests: int = NUM_REQUESTS, max_new_tokens: int,
+                    prompt_set: str = "heldout", cuda_graphs: bool = True, progress=print,
+                    on_record=None) -> list[dict]:
+    """Serve a stream of ``num_requests`` (``prompts`` cycled) at every concurrency, for target-only, every
+    drafter ({method: drafter}) and prompt lookup at every block size, under each batching; see the module
+    docstring."""
+    unknown = set(batchings) - set(BATCHINGS)
+    if unknown:
+        raise ValueError(f"batchings must be among {BATCHINGS}, got {sorted(unknown)}")
+    p = next(target.parameters())
+    device, dtype = p.device, str(p.dtype).replace("torch.", "")
+    stream = request_stream([torch.as_tensor(q).reshape(-1) for q in prompts], num_requests)
+    capacity = max(int(q.shape[-1]) for q in stream) + max_new_tokens
+    measured = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    records, reference = [], {}
+    for c in concurrencies:
+        for method, drafter, block in serving_methods(drafters, block_sizes):
+            dec = FastDecoder(target, drafter, batch=c, block_size=block, capacity=capacity, cuda_graphs=cuda_graphs)
+            serve(dec, stream, max_new_tokens=2)  # warm-up: every prefill width captured outside the clock
+            for batching in (batchings if c > 1 else batchings[:1]):
+                run = serve(dec, stream, max_new_tokens=max_new_tokens, policy=batching)
+                outputs = [r.result.new_token_ids for r in run.requests]
+                reference.setdefault((c, batching), outputs)  # target-only runs first
+                rec = {
+                    "method": method, "block_size": block, "batch": c, "batching": batching,
+                    "cuda_graphs": dec.cuda_graphs, "tokens_per_s": round(run.tokens / run.seconds, 1),
+                    "mean_acceptance_length": None if method == "target_only"
+                    else round(run.stats.mean_acceptance_length, 4),
+                    "device": device_name(device), "dtype": dtype, "prompt_set": prompt_set, "backend": "static",
+                    "max_new_tokens": max_new_tokens, **run.metrics(),
+                    "request_steps": run.steps_per_request(),
+                    "outputs_equal_target_only":
+                        f"{sum(a == b for a, b in zip(outputs, reference[c, batching]))}/{len(outputs)}",
+                    "moe": dec.tgt.moe, "measured": measured,
+                }
+                rec.pop("policy"), rec.pop("concurrency")  # named batching and batch here
+                if batching == "static":
+                    rec["static_batch_steps"] = static_batch_steps(rec["request_steps"], c)
+                records.append(rec)
+                progress(f"  concurrency {c:>2} {batching:10s} {method:15s} block {block:>2}: "
+                         f"{rec['tokens_per_s']:9.1f} tok/s  tau {rec['mean_acceptance_length']}  "
+                         f"{rec['batch_steps']:>5} steps  e2el {rec['mean_e2el_ms']:.1f} ms  "
+                         f"same as target-only {rec['outputs_equal_target_only']}")
+                if on_record is not None:
+                    on_record(records)
+            del dec
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    return records
+
+
+def serving_speedups(records) -> list[dict]:
+    """tokens/s over target-only's at the same prompt set, concurrency and batching, and over target-only with
+    continuous batching (what a server runs without speculation)."""
+    key = lambda r: (r.get("prompt_set", "heldout"), r["batch"], r["batching"])  # noqa: E731
+    base = {key(r): r["tokens_per_s"] for r in records if r["method"] == "target_only"}
+    out = []
+    for r in records:
+        same, served = base.get(key(r)), base.get((*key(r)[:2], "continuous"))
+        if same:
+            out.append({"prompt_set": key(r)[0], "method": r["method"], "block_size": r["block_size"],
+                        "batch": r["batch"], "batching": r["batching"], "speedup": round(r["tokens_per_s"] / same, 3),
+                        "over_continuous_target_only": round(r["tokens_per_s"] / served, 3) if served else None,
+                        "mean_acceptance_length": r["mean_acceptance_length"]})
+    return out
+
+
+def best_blocks(records, batching: str = "continuous") -> dict:
+    """{(prompt_set, method, concurrency): the record with the most tokens/s over the block sizes}."""
+    best = {}
+    for r in records:
+        if r["batching"] != batching:
+            continue
+        k = (r.get("prompt_set", "heldout"), r["method"], r["batch"])
+        if k not in best or r["tokens_per_s"] > best[k]["tokens_per_s"]:
+            best[k] = r
+    return best
