@@ -176,3 +176,24 @@ def test_prompt_set_option():
     parser = build_parser()
     assert parser.parse_args(["spec-decode"]).prompt_set == "both"
     assert parser.parse_args(["spec-decode", "--prompt-set", "docstring"]).prompt_set == "docstring"
+
+
+def test_the_eager_loops_records_get_their_own_table_and_older_rows_read_the_same():
+    eager = [dict(record("heldout", "target_only", 1, 30.0), backend="eager", target_forwards_per_token=1.0,
+                  outputs_equal_target_only="8/8", target_ms_per_forward=33.0, drafter_ms_per_step=0.05),
+             dict(record("heldout", "dflash", 16, 60.0, 5.25), backend="eager", target_forwards_per_token=0.2,
+                  outputs_equal_target_only="5/8", target_ms_per_forward=45.0, drafter_ms_per_step=36.0)]
+    md = spec_decode_markdown(result_of(both_sets(), eager_records=eager, eager_records_carried_over=True))
+    head = "## The eager teaching loop (`speculative_generate`) (carried over from an earlier run)"
+    assert md.index("**Goal") < md.index(head) < md.index("Command:")
+    assert "| target_only | 1 | 30.0 | 1.000 | - | 8/8 | 33.0 | 0.05 |" in md
+    assert "| dflash | 16 | 60.0 | 0.200 | 5.25 | 5/8 | 45.0 | 36.0 |" in md
+    static_part = spec_decode_markdown(result_of(both_sets())).split("\nCommand:")[0]
+    assert md.startswith(static_part) and head not in static_part  # the static tables as without eager records
+    # the same rows in the earlier format (under "shipped_pair", "dflash_b16", target-only without a block)
+    older = [dict(r, method="target_only" if r["method"] == "target_only" else "dflash_b16",
+                  block_size=None if r["method"] == "target_only" else 16) for r in eager]
+    for r in older:
+        del r["backend"], r["prompt_set"], r["batch"]
+    md_older = spec_decode_markdown(result_of(both_sets(), shipped_pair=older, eager_records_carried_over=True))
+    assert md_older == md

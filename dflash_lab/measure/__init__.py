@@ -2,7 +2,8 @@
 
     timing      wall, kernel and graphed time of a call; drafters at Laguna-XS.2's shapes
     context_kv  the three context-K/V paths against the GEMM floor, and the lab's targets
-    decoding    tokens/s of the fast backend per method, block, batch and graphs setting; phases
+    decoding    tokens/s per method and block, one record format for both backends: the fast (static) path
+                per batch and graphs setting, the eager teaching loop at batch 1; the static path's phases
     repetition  the repeated 4-gram share of a continuation; τ on repetitive vs non-repetitive continuations
     verification  vLLM's verification rules side by side: τ with intervals, fidelity to the target
 

@@ -8,7 +8,7 @@ docstring-first; a record without ``prompt_set`` is a held-out one), then the ph
 
 from __future__ import annotations
 
-from ..measure.decoding import METHODS, PROMPT_SETS, records_of
+from ..measure.decoding import METHODS, PROMPT_SETS, backend_of, records_of
 
 # prompt set -> (its name in prose, what it is)
 PROMPT_SET_TEXT = {
@@ -53,7 +53,9 @@ def fast_markdown(records, phases=None, *, n_prompts, max_new_tokens) -> list[st
     """Markdown lines: per prompt set, the tokens/s table (x target-only on the same set, batch and graphs
     setting); then the phases (measured on the held-out prompts).
 
-    n_prompts, max_new_tokens: one number for every set, or {prompt set: number}."""
+    n_prompts, max_new_tokens: one number for every set, or {prompt set: number}. Records of another backend
+    than the static path are left out (``bench_spec_decode.eager_lines`` tables the eager loop's)."""
+    records = [r for r in records if backend_of(r) == "static"]
     if not records:
         return []
     r0 = records[0]
