@@ -168,14 +168,15 @@ def test_prompts_are_prefilled_padded_to_a_step_and_the_pads_are_never_seen(smal
     prompts = [torch.randint(10, 500, (n,), generator=g) for n in (PREFILL_STEP - 1, PREFILL_STEP, PREFILL_STEP + 1, 130)]
     dec = FastDecoder(target, drafter, batch=4, block_size=8, capacity=130 + 24, cuda_graphs=False)
     together = dec.generate(prompts, max_new_tokens=24)
-    assert set(dec.prefills) == {dec.prefill_width(130)}
+    assert set(dec.prefills) == {(4, dec.prefill_width(130))}  # (rows filled, padded width) -> one graph
     for p, r in zip(prompts, together):
         alone = dec.generate([p], max_new_tokens=24)[0]
         expected = target.generate(p[None], max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0)
         eager = speculative_generate(target, drafter, p[None], max_new_tokens=24, block_size=8)
         assert torch.equal(r.output_ids, expected) and torch.equal(alone.output_ids, expected)
         assert counters(r.stats) == counters(alone.stats) == counters(eager.stats)
-    assert sorted(dec.prefills) == [PREFILL_STEP, 2 * PREFILL_STEP, min(3 * PREFILL_STEP, dec.tgt.capacity)]
+    alone_widths = sorted(w for n, w in dec.prefills if n == 1)
+    assert alone_widths == [PREFILL_STEP, 2 * PREFILL_STEP, min(3 * PREFILL_STEP, dec.tgt.capacity)]
     assert dec.prefill_width(10_000) == dec.tgt.capacity  # never past the cache
 
 
@@ -408,3 +409,9 @@ def test_serving_records_are_the_timing_records_with_vllm_bench_serves_latencies
             assert r["batch_steps"] == sum(r["static_batch_steps"])
     assert {(s["batch"], s["batching"]) for s in serving_speedups(records) if s["method"] == "target_only"
             and s["speedup"] == 1.0} == {(1, "continuous"), (2, "continuous"), (2, "static")}
+    from dflash_lab.tools.bench_serving import serving_markdown
+
+    md = serving_markdown({"device": "cpu", "command": "c", "requests": 5, "max_new_tokens": 6,
+                           "prompt_sets": ["heldout"], "records": records, "phases": {}})
+    rows = [line for line in md.splitlines() if line.startswith("| 2 | static |")]
+    assert len(rows) == 3 and "| 1.00x |" in next(r for r in rows if "target_only" in r)

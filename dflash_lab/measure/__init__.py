@@ -4,6 +4,8 @@
     context_kv  the three context-K/V paths against the GEMM floor, and the lab's targets
     decoding    tokens/s per method and block, one record format for both backends: the fast (static) path
                 per batch and graphs setting, the eager teaching loop at batch 1; the static path's phases
+    serving     a request stream at a concurrency on the fast path: continuous vs static batching, vllm bench
+                serve's latencies, the phases per batch
     repetition  the repeated 4-gram share of a continuation; τ on repetitive vs non-repetitive continuations
     verification  vLLM's verification rules side by side: τ with intervals, fidelity to the target
 

@@ -9,7 +9,8 @@ Two backends, one record each per (method, block size, batch[, CUDA graphs on/of
 
 Every record (``timing_record`` builds it, the keys in ``RECORD_KEYS``):
 
-    backend              "static" or "eager"; a record without it is a static one (``backend_of``)
+    backend              "static", "eager" or "serving" (a request stream, ``measure.serving``); a record
+                         without it is a static one (``backend_of``)
     prompt_set           "heldout" or "docstring" (``PROMPT_SETS``); a record without it is a held-out one
     method               "target_only", "dflash" (the default drafter, the paper's), "dflash_poolside"
                          (the Poolside-style drafter: sliding, causal), "prompt_lookup" (``METHODS``)
@@ -46,12 +47,15 @@ from ..spec_decode.stats import SpecDecodeStats
 
 METHODS = ("target_only", "dflash", "dflash_poolside", "prompt_lookup")
 PROMPT_SETS = ("heldout", "docstring")  # assets.heldout_prompts, assets.docstring_prompts, in report order
-BACKENDS = ("static", "eager")
+BACKENDS = ("static", "eager", "serving")
 RECORD_KEYS = ("backend", "prompt_set", "method", "block_size", "batch", "tokens_per_s", "mean_acceptance_length",
                "tokens", "seconds", "target_forwards_per_token", "outputs_equal_target_only", "device", "dtype")
 EXTRA_KEYS = {"static": ("cuda_graphs", "batch_steps", "ms_per_batch_step", "setup_s", "moe", "measured",
                          "outputs_equal_graphs_off"),
-              "eager": ("per_position_acceptance_rate", "target_ms_per_forward", "drafter_ms_per_step")}
+              "eager": ("per_position_acceptance_rate", "target_ms_per_forward", "drafter_ms_per_step"),
+              "serving": ("batching", "cuda_graphs", "batch_steps", "requests", "max_new_tokens", "request_throughput",
+                          *(f"{s}_{m}_ms" for m in ("ttft", "tpot", "e2el") for s in ("mean", "median", "p99")),
+                          "request_steps", "static_batch_steps", "moe", "measured")}
 
 
 def prompt_set_of(record: dict) -> str:

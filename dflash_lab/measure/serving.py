@@ -1,8 +1,7 @@
 """A stream of requests served at a concurrency on the fast path: tokens/s and latency, continuous and static.
 
-One record per (method, block size, concurrency, batching), in ``measure.decoding``'s format (method,
-block_size, batch = the concurrency, cuda_graphs, tokens_per_s, mean_acceptance_length, tokens, seconds,
-device, dtype, prompt_set, backend) and:
+One record per (method, block size, concurrency, batching), built by ``measure.decoding.timing_record``
+(backend "serving"; batch = the concurrency) with these keys of its own:
 
     batching             "continuous" (a finished row takes the next request: vLLM's scheduler) or
                          "static" (a new batch only when the last one is done)
@@ -26,9 +25,9 @@ from datetime import datetime, timezone
 
 import torch
 
-from ..runtime import device_name
-from ..spec_decode.fast.decoder import FastDecoder
+from ..spec_decode.fast.decoder import PHASES, FastDecoder
 from ..spec_decode.fast.serving import serve
+from .decoding import EXTRA_KEYS, phase_times, timing_record, whole_step_seconds
 
 BATCHINGS = ("continuous", "static")
 CONCURRENCIES = (1, 8, 32, 64)  # the issue's and ``vllm bench serve``'s usual sweep
@@ -79,21 +78,15 @@ def measure_serving(target, drafters: dict, prompts, *, concurrencies=CONCURRENC
                 run = serve(dec, stream, max_new_tokens=max_new_tokens, policy=batching)
                 outputs = [r.result.new_token_ids for r in run.requests]
                 reference.setdefault((c, batching), outputs)  # target-only runs first
-                rec = {
-                    "method": method, "block_size": block, "batch": c, "batching": batching,
-                    "cuda_graphs": dec.cuda_graphs, "tokens_per_s": round(run.tokens / run.seconds, 1),
-                    "mean_acceptance_length": None if method == "target_only"
-                    else round(run.stats.mean_acceptance_length, 4),
-                    "device": device_name(device), "dtype": dtype, "prompt_set": prompt_set, "backend": "static",
-                    "max_new_tokens": max_new_tokens, **run.metrics(),
-                    "request_steps": run.steps_per_request(),
-                    "outputs_equal_target_only":
-                        f"{sum(a == b for a, b in zip(outputs, reference[c, batching]))}/{len(outputs)}",
-                    "moe": dec.tgt.moe, "measured": measured,
-                }
-                rec.pop("policy"), rec.pop("concurrency")  # named batching and batch here
-                if batching == "static":
-                    rec["static_batch_steps"] = static_batch_steps(rec["request_steps"], c)
+                m = run.metrics()
+                steps = run.steps_per_request()
+                rec = timing_record("serving", method, block, batch=c, stats=run.stats, seconds=run.seconds,
+                                    outputs=outputs, reference=reference[c, batching], device=device, dtype=dtype,
+                                    prompt_set=prompt_set, batching=batching, cuda_graphs=dec.cuda_graphs,
+                                    max_new_tokens=max_new_tokens, request_steps=steps,
+                                    static_batch_steps=static_batch_steps(steps, c) if batching == "static" else None,
+                                    moe=dec.tgt.moe, measured=measured,
+                                    **{k: m[k] for k in EXTRA_KEYS["serving"] if k in m})
                 records.append(rec)
                 progress(f"  concurrency {c:>2} {batching:10s} {method:15s} block {block:>2}: "
                          f"{rec['tokens_per_s']:9.1f} tok/s  tau {rec['mean_acceptance_length']}  "
@@ -133,3 +126,25 @@ def best_blocks(records, batching: str = "continuous") -> dict:
         if k not in best or r["tokens_per_s"] > best[k]["tokens_per_s"]:
             best[k] = r
     return best
+
+
+def phases_at(target, drafters: dict, prompts, *, batch: int, block_size: int, max_new_tokens: int) -> dict:
+    """Milliseconds per step in each phase (draft, verify, append, accept; each its own graph) and of the whole
+    step's graph, on a static batch of the first ``batch`` prompts, for target-only and every drafter
+    ({method: drafter}). With target-only's, they bound a drafter's speed-up at this batch: tau x target-only
+    step / drafter step (prefill and the ragged end left out)."""
+    chunk = request_stream([torch.as_tensor(p).reshape(-1) for p in prompts], batch)  # cycled when fewer
+    capacity = max(int(p.shape[-1]) for p in chunk) + max_new_tokens
+    out = {}
+    for method, drafter, block in [("target_only", None, 1)] + [(m, d, block_size) for m, d in drafters.items()]:
+        dec = FastDecoder(target, drafter, batch=batch, block_size=block, capacity=capacity, cuda_graphs=True,
+                          phase_graphs=True)
+        phase_times(dec, chunk, max_new_tokens=max_new_tokens)  # warm-up: the prefill graph captured
+        t = phase_times(dec, chunk, max_new_tokens=max_new_tokens)
+        steps = max(t["steps"], 1)
+        out[method] = {"block_size": block, "batch": batch, "steps": t["steps"], "cuda_graphs": dec.cuda_graphs,
+                       **{f"{p}_ms_per_step": round(1e3 * t[f"{p}_s"] / steps, 4) for p in PHASES},
+                       "whole_step_ms": round(1e3 * whole_step_seconds(dec), 4),
+                       "prefill_ms": round(1e3 * t["prefill_s"], 4)}
+        del dec
+    return out

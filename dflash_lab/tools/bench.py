@@ -2,6 +2,7 @@
 
     python -m dflash_lab.tools.bench context-kv [--quick]   # the three context-K/V paths vs the GEMM floor
     python -m dflash_lab.tools.bench spec-decode [--quick]  # tokens/s of the shipped pair on the fast path
+    python -m dflash_lab.tools.bench serve [--quick]        # a request stream: continuous vs static batching
     python -m dflash_lab.tools.bench acceptance [--quick]   # acceptance of the shipped pair on the held-out prompts
     python -m dflash_lab.tools.bench drafters [--quick]     # both shipped drafters, two prompt sets, intervals
     python -m dflash_lab.tools.bench repetition [--quick]   # τ on repetitive vs non-repetitive continuations
@@ -19,14 +20,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import bench_acceptance, bench_context_kv, bench_drafters, bench_repetition, bench_spec_decode
+from . import bench_acceptance, bench_context_kv, bench_drafters, bench_repetition, bench_serving, bench_spec_decode
 
-BENCHMARKS = (bench_context_kv, bench_spec_decode, bench_acceptance, bench_drafters, bench_repetition)
+BENCHMARKS = (bench_context_kv, bench_spec_decode, bench_serving, bench_acceptance, bench_drafters, bench_repetition)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m dflash_lab.tools.bench", description=__doc__.split("\n\n")[0])
-    names = "context-kv,spec-decode,acceptance,drafters,repetition"
+    names = "context-kv,spec-decode,serve,acceptance,drafters,repetition"
     sub = parser.add_subparsers(dest="command", required=True, metavar="{" + names + "}")
     for benchmark in BENCHMARKS:
         benchmark.add_command(sub)

@@ -82,7 +82,6 @@ class FastDecoder:
         self.dft = proposer.device_session(target, batch=batch, capacity=capacity + slack, block_size=block_size)
         self.lookup = proposer if proposer.proposes and self.dft is None else None
         self.capacity = capacity
-        self.trash = capacity + slack - 1  # a slot no sequence reaches: where a row not being filled writes
         self.max_pos = target.config.max_position_embeddings  # a sequence ends there, as on the eager loop
         z = lambda *s, dt=torch.long: torch.zeros(s, dtype=dt, device=self.device)  # noqa: E731
         S, K = self.tgt.capacity, block_size - 1
@@ -116,7 +115,8 @@ class FastDecoder:
         def graphed(fn, reset=self._reset):
             return GraphedStep(fn, enabled=cuda_graphs, device=self.device, reset=reset, pool=pool)
         self._graphed = graphed
-        self.prefills: dict[int, GraphedStep] = {}  # padded prompt length -> its prefill, captured on first use
+        self.prefills: dict[tuple[int, int], GraphedStep] = {}  # (rows, padded length) -> its prefill, on first use
+        self.fill_buckets = sorted({1 << i for i in range(batch.bit_length()) if 1 << i < batch} | {batch})
         self.step = graphed(self._step)
         # narrower steps a per-batch schedule switches to (``step_at``), captured now: capture resets the state
         if not all(is_int(w) and 1 <= w <= block_size for w in widths or ()):
@@ -206,36 +206,32 @@ class FastDecoder:
         self._accept(1)
 
     # --- prefill (one graph per padded prompt length) ------------------------------
-    def _prefill(self, width: int) -> None:
-        """The prefill of the rows being filled, their prompts in ``prompt_ids[:, :width]``, on the device
+    def _prefill(self, n: int, width: int) -> None:
+        """The prefill of n rows (``meta``'s row ids), their prompts in ``prompt_ids[:n, :width]``, on the device
         (graphable); every other row goes on untouched (continuous batching refills a finished row so).
 
-        Reads ``meta`` (lengths | rows to fill | max_new_tokens, all per row | stop ids, written by ``fill``).
-        Prompts are right-padded to ``width``: a pad token's K/V lands at a slot >= its prompt's
-        length, which the first verification overwrites before any query can see it (as the
-        rejected drafts of a step), and only each prompt's last position's logits are kept. A row
-        not filled runs through the same forward with every token at the trash slot (never read).
+        Reads ``meta`` (rows | lengths | max_new_tokens, n each, at the start of batch-long fields | stop ids,
+        written by ``fill``). Prompts are right-padded to ``width``: a pad token's K/V lands at a slot >= its
+        prompt's length, which the first verification overwrites before any query can see it (as the rejected
+        drafts of a step), and only each prompt's last position's logits are kept. A bucket's spare entries
+        repeat its first row and prompt: the same values written twice.
         """
         b = self.batch
-        length, fill, max_new = self.meta[:b], self.meta[b:2 * b].bool(), self.meta[2 * b:3 * b]
-        ids = self.prompt_ids[:, :width]
-        positions = torch.where(fill[:, None], self.slot_positions[:, :width], self.trash)
+        rows, length, max_new = self.meta[:n], self.meta[b:b + n], self.meta[2 * b:2 * b + n]
+        ids, positions = self.prompt_ids[:n, :width], self.slot_positions[:n, :width]
         self.stop_ids.copy_(self.meta[3 * b:])
-        logits, aux = self.tgt.forward(ids, positions, last_index=length - 1)
+        logits, aux = self.tgt.forward(ids, positions, last_index=length - 1, rows=rows)
         if self.dft is not None:
-            self.dft.append(aux, positions)
-        first = logits.argmax(dim=-1)
-        keep = lambda new, old: torch.where(fill.view(-1, *[1] * (old.dim() - 1)), new, old)  # noqa: E731
-        self.tokens[:, :width].copy_(keep(ids, self.tokens[:, :width]))
-        at = length[:, None]  # a row not filled has length 1: its own token 1 is written back
-        self.tokens.scatter_(1, at, keep(first[:, None], self.tokens.gather(1, at)))
-        self.pos.copy_(keep(length, self.pos))
-        self.last.copy_(keep(first, self.last))
-        self.limit.copy_(keep((length + max_new - 1).clamp(max=self.max_pos - 1), self.limit))  # last fillable
-        started = (self.pos < self.limit) & ~(first[:, None] == self.stop_ids).any(-1)
-        self.active.copy_(keep(started, self.active))
+            self.dft.append(aux, positions, rows=rows)
+        first = logits.argmax(dim=-1)  # (n,)
+        self.tokens[:, :width].index_copy_(0, rows, ids)
+        self.tokens.index_put_((rows, length), first)
+        self.pos.index_copy_(0, rows, length)
+        self.last.index_copy_(0, rows, first)
+        self.limit.index_copy_(0, rows, (length + max_new - 1).clamp(max=self.max_pos - 1))  # the last fillable
+        self.active.index_copy_(0, rows, (length < self.limit[rows]) & ~(first[:, None] == self.stop_ids).any(-1))
         for counter in (self.n_steps, self.n_drafts):  # each request counts its own steps and drafts
-            counter.copy_(keep(torch.zeros_like(counter), counter))
+            counter.index_fill_(0, rows, 0)
 
     def prefill_width(self, longest: int) -> int:
         """The padded length a batch whose longest prompt has ``longest`` tokens is prefilled at."""
@@ -274,23 +270,26 @@ class FastDecoder:
             raise ValueError(f"at most {MAX_STOP_TOKENS} stop_token_ids, got {len(stops)}")
         self._max_new.update({b: max_new[b] for b in rows})
         self.stop = set(stops)
-        # everything the prefill graph reads, in two copies: the prompts (right-padded) and one meta vector
-        self.prompt_ids.zero_()
-        for b, p in rows.items():
-            self.prompt_ids[b, :lengths[b]].copy_(p.reshape(-1))
+        # everything the prefill graph reads, in two copies: the prompts (right-padded, compacted) and one meta
+        # vector; a bucket of n >= the rows filled (powers of two, and the batch) keeps the graphs few
+        n = next(k for k in self.fill_buckets if k >= len(rows))
+        order = list(rows) + [next(iter(rows))] * (n - len(rows))
+        self.prompt_ids[:n].zero_()
+        for j, r in enumerate(order):
+            self.prompt_ids[j, :lengths[r]].copy_(rows[r].reshape(-1))
         meta = self._host_meta
         meta.zero_()
-        meta[:self.batch] = 1  # rows not filled: a 1-token "prompt" at the trash slot
-        for b, n in lengths.items():
-            meta[b], meta[self.batch + b], meta[2 * self.batch + b] = n, 1, max_new[b]
+        meta[:n] = torch.tensor(order)
+        meta[self.batch:self.batch + n] = torch.tensor([lengths[r] for r in order])
+        meta[2 * self.batch:2 * self.batch + n] = torch.tensor([max_new[r] for r in order])
         meta[3 * self.batch:] = -1  # -1: no stop token
         if stops:
             meta[3 * self.batch:3 * self.batch + len(stops)] = torch.tensor(stops)
         self.meta.copy_(meta)
-        width = self.prefill_width(max(lengths.values()))
-        if width not in self.prefills:  # first batch this long: warm up and capture its graph
-            self.prefills[width] = self._graphed(lambda: self._prefill(width), reset=None)
-        self.prefills[width]()
+        key = (n, self.prefill_width(max(lengths.values())))
+        if key not in self.prefills:  # first fill of this many rows this long: warm up and capture its graph
+            self.prefills[key] = self._graphed(lambda: self._prefill(*key), reset=None)
+        self.prefills[key]()
         self._lengths.update(lengths)
 
     # --- decoding -----------------------------------------------------------------

@@ -43,11 +43,17 @@ class StaticDrafter:
                          torch.zeros(shape, device=self.device, dtype=self.dtype))
         self.offsets = torch.arange(block_size or cfg.block_size, device=self.device)  # the longest block drafted
 
-    def append(self, aux: torch.Tensor, positions: torch.Tensor) -> None:
-        """Context K/V of target features aux (B, Q, n_aux * H_t) at positions (B, Q), written at those slots."""
+    def append(self, aux: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+        """Context K/V of target features aux (B, Q, n_aux * H_t) at positions (B, Q), written at those slots;
+        with ``rows`` (B,): a prefill's, positions 0 .. Q-1, written into those rows only."""
         B, Q, _ = aux.shape
         k, v = self.drafter.context_kv(aux.reshape(B * Q, -1), positions.reshape(-1), ops=triton_ops)  # (L, B*Q, ..)
-        self.kv.write(positions, k.unflatten(1, (B, Q)), v.unflatten(1, (B, Q)))
+        k, v = k.unflatten(1, (B, Q)), v.unflatten(1, (B, Q))
+        if rows is None:
+            self.kv.write(positions, k, v)
+        else:
+            self.kv.k[:, :, :Q].index_copy_(1, rows, k)
+            self.kv.v[:, :, :Q].index_copy_(1, rows, v)
 
     def draft(self, last_token: torch.Tensor, start: torch.Tensor, block_size: int) -> torch.Tensor:
         """Greedy drafts (B, block_size - 1) for blocks [last_token, MASK ...] at positions

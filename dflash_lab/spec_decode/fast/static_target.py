@@ -178,23 +178,29 @@ class StaticTarget:
         self.slots = torch.arange(self.capacity, device=self.device)
 
     # --- pieces ----------------------------------------------------------------
-    def _bias(self, positions: torch.Tensor, window: int | None) -> torch.Tensor:
+    def _bias(self, positions: torch.Tensor, window: int | None, slots: torch.Tensor | None = None) -> torch.Tensor:
         """(B, Q, S) additive mask: slot <= position, and within the window on sliding layers."""
         pos = positions[:, :, None]
-        visible = self.slots <= pos
+        slots = self.slots if slots is None else slots
+        visible = slots <= pos
         if window is not None:
-            visible &= self.slots > pos - window
+            visible &= slots > pos - window
         return additive_mask(visible, self.dtype)
 
-    def _attention(self, lay: _Layer, i: int, x: torch.Tensor, cos, sin, positions, bias) -> torch.Tensor:
+    def _attention(self, lay: _Layer, i: int, x: torch.Tensor, cos, sin, positions, bias, rows=None) -> torch.Tensor:
         a = lay.attn
         B, Q, _ = x.shape
         q, k, v, g = F.linear(x, lay.w_in, lay.b_in).split(lay.split, dim=-1)
         q = triton_ops.norm_rope(a.q_norm, q, cos, sin, q.shape[-1] // a.head_dim, a.head_dim)  # (B, Q, H, hd)
         k = triton_ops.norm_rope(a.k_norm, k, cos, sin, k.shape[-1] // a.head_dim, a.head_dim)  # (B, Q, nkv, hd)
         cache_k, cache_v = self.cache[i]
-        write_slots(cache_k, k, positions)
-        write_slots(cache_v, v.view(B, Q, -1, a.head_dim), positions)
+        if rows is None:
+            write_slots(cache_k, k, positions)
+            write_slots(cache_v, v.view(B, Q, -1, a.head_dim), positions)
+        else:  # a prefill of some rows from position 0: it sees only its own keys, then they go to the rows' slots
+            cache_k, cache_v = k.transpose(1, 2), v.view(B, Q, -1, a.head_dim).transpose(1, 2)  # (B, nkv, Q, hd)
+            self.cache[i][0][:, :, :Q].index_copy_(0, rows, cache_k)
+            self.cache[i][1][:, :, :Q].index_copy_(0, rows, cache_v)
         out = gqa_attention(q, cache_k, cache_v, bias, a.scaling)  # (B, Q, H*hd)
         gate = F.softplus(g.float()).to(out.dtype)
         if a.gate_per_head:
@@ -231,25 +237,29 @@ class StaticTarget:
         return dense_experts(experts, x, selected, weights)
 
     # --- the forward -------------------------------------------------------------
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor, *, last_index: torch.Tensor | None = None):
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, *, last_index: torch.Tensor | None = None,
+                rows: torch.Tensor | None = None):
         """ids, positions (B, Q) -> (logits, aux).
 
         logits: (B, Q, V), or (B, V) at ``last_index`` (B,) when given (a prefill
         needs only each sequence's last prompt position). aux: (B, Q, n * H) outputs
         of ``layer_ids`` (raw residual stream, as ``target_forward`` captures them),
-        or None without layer_ids.
+        or None without layer_ids. ``rows`` (n,): a prefill of n sequences from position 0 (positions
+        (n, Q) = 0 .. Q-1) into those cache rows, the other rows untouched; its cost is n rows', not the
+        batch's (a row listed twice must hold the same prompt twice).
         """
         m = self.model.model
         h = m.embed_tokens(ids)
         rope = {t: m.rotary_emb(h, positions, t) for t in set(self.layer_types)}  # (B, Q, rd) cos, sin
-        masks = {lay.window: self._bias(positions, lay.window) for lay in self.layers}
+        slots = None if rows is None else self.slots[:ids.shape[1]]
+        masks = {lay.window: self._bias(positions, lay.window, slots) for lay in self.layers}
         bias = {(lay.window, lay.groups): grouped_mask(masks[lay.window], lay.groups, *ids.shape)
                 for lay in self.layers}  # once per forward for every layer; per-layer head counts differ in groups
         captured = {}
         for i, lay in enumerate(self.layers):
             cos, sin = rope[lay.layer_type]
             h = h + self._attention(lay, i, triton_ops.norm(lay.input_norm, h), cos, sin, positions,
-                                    bias[lay.window, lay.groups])
+                                    bias[lay.window, lay.groups], rows)
             h = h + self._mlp(lay, triton_ops.norm(lay.post_norm, h))
             if i in self.layer_ids:
                 captured[i] = h

@@ -1,0 +1,119 @@
+"""Benchmark: serving a request stream at a concurrency, continuous against static batching, with the phases.
+
+    python -m dflash_lab.tools.bench serve [--quick] [--prompt-set {heldout,docstring,both}]
+        [--concurrency 1 8 32 64] [--block-sizes 4 8 16] [--requests 128]
+
+1. ``measure.serving``: a stream of ``--requests`` requests (each prompt set's prompts cycled) served at
+   every concurrency by target-only, every drafter of the pair in use and prompt lookup at every block,
+   continuously batched (vLLM's scheduler) and statically (a batch at a time), graphs on.
+2. The phases at every concurrency (``measure.serving.phases_at``): a step's draft / verify / append /
+   accept, each its own graph, and the whole step, on a static batch of that many held-out prompts; the
+   bound they give (tau x target step / drafter step).
+3. The schedule (``spec_decode.schedule``): from the continuous records, the ``num_speculative_tokens_
+   per_batch_size`` that maximises tokens/s per batch range, as the ``--speculative-config`` JSON.
+
+Writes benchmarks/spec_decode_serving.{json,md} (the shipped pair; another pair's go under runs/).
+"""
+
+from __future__ import annotations
+
+from ..assets import load_pair, pair_fingerprint
+from ..measure.decoding import PROMPT_SETS, drafter_methods
+from ..measure.serving import BATCHINGS, CONCURRENCIES, NUM_REQUESTS, best_blocks, measure_serving, phases_at
+from ..runtime import device_name, resolve_device
+from .bench_common import OUT_HELP, pair_out_dir, write_results
+from .bench_spec_decode import PROMPT_LENGTH, prompt_ids
+
+STEM = "spec_decode_serving"
+
+
+def serving_markdown(result: dict) -> str:
+    """Tables: best block per method, concurrency and batching (tokens/s, x target-only, tau, latency), phases."""
+    lines = [f"# Serving a request stream ({result['device']})", "",
+             f"`{result['command']}`: {result['requests']} requests per run (the prompt set cycled), "
+             f"{result['max_new_tokens']} new tokens each, every request arriving at 0; graphs on.", ""]
+    for s in result["prompt_sets"]:
+        recs = [r for r in result["records"] if r["prompt_set"] == s]
+        base = {(r["batch"], r["batching"]): r["tokens_per_s"] for r in recs if r["method"] == "target_only"}
+        lines += [f"## {s} prompts", "",
+                  "| concurrency | batching | method | best block | tokens/s | x target-only | tau | batch steps "
+                  "| mean E2EL ms | p99 E2EL ms |", "|---|---|---|---|---|---|---|---|---|---|"]
+        for batching in BATCHINGS:
+            best = best_blocks(recs, batching)
+            for (_, method, c), r in sorted(best.items(), key=lambda kv: (kv[0][2], kv[0][1])):
+                b = base.get((c, batching))
+                if b:
+                    lines.append(f"| {c} | {batching} | {method} | {r['block_size']} | {r['tokens_per_s']:.0f} | "
+                                 f"{r['tokens_per_s'] / b:.2f}x | {r['mean_acceptance_length'] or '-'} | "
+                                 f"{r['batch_steps']} | {r['mean_e2el_ms']:.1f} | {r['p99_e2el_ms']:.1f} |")
+        lines.append("")
+    if result.get("phases"):
+        lines += ["## Phases per step (ms), a static batch of held-out prompts", "",
+                  "| batch | method | block | draft | verify | append | accept | whole step | steps |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for c, per in result["phases"].items():
+            for method, p in per.items():
+                lines.append(f"| {c} | {method} | {p['block_size']} | {p['draft_ms_per_step']} | "
+                             f"{p['verify_ms_per_step']} | {p['append_ms_per_step']} | {p['accept_ms_per_step']} | "
+                             f"{p['whole_step_ms']} | {p['steps']} |")
+    return "\n".join(lines) + "\n"
+
+
+def serving(args) -> int:
+    device = resolve_device(args.device)
+    quick = args.quick
+    concurrencies = args.concurrency or ([1, 4] if quick else list(CONCURRENCIES))
+    blocks = args.block_sizes or ([8] if quick else [4, 8, 16])
+    requests = args.requests or (16 if quick else NUM_REQUESTS)
+    max_new = args.max_new_tokens or (32 if quick else 96)
+    sets = list(PROMPT_SETS) if args.prompt_set == "both" else [args.prompt_set]
+    target, drafters, tokenizer = load_pair(device)
+    methods = drafter_methods(drafters)
+    flags = " ".join(f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
+                     for k, v in vars(args).items() if k in ("concurrency", "block_sizes", "requests") and v)
+    result = {"command": f"python -m dflash_lab.tools.bench serve{' --quick' if quick else ''} {flags}".strip(),
+              "device": device_name(device), "requests": requests, "max_new_tokens": max_new,
+              "prompt_sets": sets, "pair": pair_fingerprint(), "records": [], "phases": {}}
+    out = pair_out_dir(args.out)
+    save = lambda: write_results(out, STEM, result, serving_markdown(result))  # noqa: E731
+    print(f"serve on {result['device']}: concurrency {concurrencies}, blocks {blocks}, {requests} requests x "
+          f"{max_new} tokens, prompt sets {sets}", flush=True)
+    done = []
+    for s in sets:
+        prompts = [p[0] for p in prompt_ids(tokenizer, s, 48, PROMPT_LENGTH, device)]
+
+        def on_record(rs):
+            result["records"] = done + list(rs)
+            save()
+        done += measure_serving(target, methods, prompts, concurrencies=concurrencies, block_sizes=blocks,
+                                num_requests=requests, max_new_tokens=max_new, prompt_set=s,
+                                progress=lambda line: print(line, flush=True), on_record=on_record)
+        result["records"] = list(done)
+        save()
+    if not args.no_phases:
+        heldout = [p[0] for p in prompt_ids(tokenizer, "heldout", max(concurrencies), PROMPT_LENGTH, device)]
+        for c in concurrencies:
+            result["phases"][str(c)] = phases_at(target, methods, heldout, batch=c, block_size=max(blocks),
+                                                 max_new_tokens=max_new)
+            print(f"  phases at batch {c}: " + ", ".join(f"{m} {p['whole_step_ms']} ms"
+                                                       for m, p in result["phases"][str(c)].items()), flush=True)
+            save()
+    paths = save()
+    print(serving_markdown(result))
+    print("wrote", *paths)
+    return 0
+
+
+def add_command(subparsers) -> None:
+    p = subparsers.add_parser("serve", help="a request stream at each concurrency: continuous vs static batching, "
+                                            "tokens/s, latency and the phases per batch")
+    p.add_argument("--quick", action="store_true", help="concurrency 1 and 4, block 8, 16 requests of 32 tokens")
+    p.add_argument("--concurrency", type=int, nargs="+", help="concurrencies (default 1 8 32 64)")
+    p.add_argument("--block-sizes", type=int, nargs="+", help="block sizes (default 4 8 16)")
+    p.add_argument("--requests", type=int, help=f"requests per run (default {NUM_REQUESTS})")
+    p.add_argument("--max-new-tokens", type=int, help="tokens per request (default 96)")
+    p.add_argument("--prompt-set", choices=["heldout", "docstring", "both"], default="both")
+    p.add_argument("--no-phases", action="store_true", help="skip the per-batch phase timing")
+    p.add_argument("--device", default=None)
+    p.add_argument("--out", default=None, help=OUT_HELP)
+    p.set_defaults(func=serving)
