@@ -46,6 +46,15 @@ def static_batch_steps(request_steps: list[int], concurrency: int) -> list[int]:
     return [max(request_steps[i:i + concurrency]) for i in range(0, len(request_steps), concurrency)]
 
 
+def capture_fills(decoder: FastDecoder, prompts) -> None:
+    """Run (and on CUDA capture) the prefill of every rows bucket at every padded width ``prompts`` need, so that
+    no graph is captured inside a timed stream. Clobbers the decoder's state (``prefill`` resets it)."""
+    by_width = {decoder.prefill_width(int(p.shape[-1])): p for p in prompts}
+    for n in decoder.fill_buckets:
+        for p in by_width.values():
+            decoder.prefill([p] * n, 2)
+
+
 def serving_methods(drafters: dict, block_sizes) -> list[tuple[str, object, int]]:
     """(method, drafter argument, block) in the order they are measured; drafters as ``drafter_methods`` names them
     ({"dflash": d, "dflash_poolside": d2})."""
@@ -73,7 +82,8 @@ def measure_serving(target, drafters: dict, prompts, *, concurrencies=CONCURRENC
     for c in concurrencies:
         for method, drafter, block in serving_methods(drafters, block_sizes):
             dec = FastDecoder(target, drafter, batch=c, block_size=block, capacity=capacity, cuda_graphs=cuda_graphs)
-            serve(dec, stream, max_new_tokens=2)  # warm-up: every prefill width captured outside the clock
+            capture_fills(dec, stream)  # warm-up: every (rows, width) prefill graph captured outside the clock
+            serve(dec, stream, max_new_tokens=2)
             for batching in (batchings if c > 1 else batchings[:1]):
                 run = serve(dec, stream, max_new_tokens=max_new_tokens, policy=batching)
                 outputs = [r.result.new_token_ids for r in run.requests]
