@@ -329,6 +329,7 @@ def test_continuous_batching_serves_every_request_as_if_it_ran_alone(small_pair,
                       cuda_graphs=False)
     runs = {policy: serve(dec, prompts, max_new_tokens=max_new, stop_token_ids=[7], policy=policy)
             for policy in ("continuous", "static")}
+    runs["continuous, refill at 2"] = serve(dec, prompts, max_new_tokens=max_new, stop_token_ids=[7], refill_at=2)
     for policy, run in runs.items():
         assert [r.index for r in run.requests] == list(range(10)) and len({r.row for r in run.requests}) == 3
         for p, n, req in zip(prompts, max_new, run.requests):
@@ -341,8 +342,9 @@ def test_continuous_batching_serves_every_request_as_if_it_ran_alone(small_pair,
         m = run.metrics()
         assert m["tokens"] == sum(r.num_tokens for r in run.requests) == run.stats.num_generated_tokens
         assert m["mean_e2el_ms"] >= m["mean_ttft_ms"] > 0
-    cont, static = runs["continuous"], runs["static"]
+    cont, static, paired = runs["continuous"], runs["static"], runs["continuous, refill at 2"]
     assert cont.fills > static.fills == 4  # ceil(10 / 3) batches; continuous refills rows as they free
+    assert paired.fills <= cont.fills  # rows refilled two at a time share a prefill
     assert cont.steps < static.steps  # no row waits for its batch's slowest sequence
     # a request admitted later waited for a row: the fourth request starts only after one of the first three ends
     assert min(r.finished_s for r in cont.requests[:3]) <= cont.requests[3].admitted_s

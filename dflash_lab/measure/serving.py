@@ -65,11 +65,12 @@ def serving_methods(drafters: dict, block_sizes) -> list[tuple[str, object, int]
 
 def measure_serving(target, drafters: dict, prompts, *, concurrencies=CONCURRENCIES, block_sizes=(16,),
                     batchings=BATCHINGS, num_requests: int = NUM_REQUESTS, max_new_tokens: int,
-                    prompt_set: str = "heldout", cuda_graphs: bool = True, progress=print,
+                    prompt_set: str = "heldout", cuda_graphs: bool = True, refill_at=None, progress=print,
                     on_record=None) -> list[dict]:
     """Serve a stream of ``num_requests`` (``prompts`` cycled) at every concurrency, for target-only, every
     drafter ({method: drafter}) and prompt lookup at every block size, under each batching; see the module
-    docstring."""
+    docstring. ``refill_at``: continuous batching refills once this many rows are free (a function of the
+    concurrency, or None: 1, vLLM's rule; ``serving.serve``)."""
     unknown = set(batchings) - set(BATCHINGS)
     if unknown:
         raise ValueError(f"batchings must be among {BATCHINGS}, got {sorted(unknown)}")
@@ -85,7 +86,8 @@ def measure_serving(target, drafters: dict, prompts, *, concurrencies=CONCURRENC
             capture_fills(dec, stream)  # warm-up: every (rows, width) prefill graph captured outside the clock
             serve(dec, stream, max_new_tokens=2)
             for batching in (batchings if c > 1 else batchings[:1]):
-                run = serve(dec, stream, max_new_tokens=max_new_tokens, policy=batching)
+                at = 1 if refill_at is None or batching == "static" else max(1, min(c, refill_at(c)))
+                run = serve(dec, stream, max_new_tokens=max_new_tokens, policy=batching, refill_at=at)
                 outputs = [r.result.new_token_ids for r in run.requests]
                 reference.setdefault((c, batching), outputs)  # target-only runs first
                 m = run.metrics()
@@ -95,7 +97,7 @@ def measure_serving(target, drafters: dict, prompts, *, concurrencies=CONCURRENC
                                     prompt_set=prompt_set, batching=batching, cuda_graphs=dec.cuda_graphs,
                                     max_new_tokens=max_new_tokens, request_steps=steps,
                                     static_batch_steps=static_batch_steps(steps, c) if batching == "static" else None,
-                                    moe=dec.tgt.moe, measured=measured,
+                                    refill_at=at, moe=dec.tgt.moe, measured=measured,
                                     **{k: m[k] for k in EXTRA_KEYS["serving"] if k in m})
                 records.append(rec)
                 progress(f"  concurrency {c:>2} {batching:10s} {method:15s} block {block:>2}: "

@@ -59,6 +59,20 @@ def serving_markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def parse_refill_at(text: str | None):
+    """``--refill-at``: "N" (a fixed number of free rows) or "c/N" (the concurrency over N, at least 1)."""
+    if text is None:
+        return None
+    try:
+        if text.startswith("c/"):
+            n = int(text[2:])
+            return lambda c: max(1, c // n)
+        n = int(text)
+        return lambda c: n
+    except ValueError:
+        raise ValueError(f"--refill-at must be N or c/N (N an integer), got {text!r}") from None
+
+
 def serving(args) -> int:
     device = resolve_device(args.device)
     quick = args.quick
@@ -70,7 +84,8 @@ def serving(args) -> int:
     target, drafters, tokenizer = load_pair(device)
     methods = drafter_methods(drafters)
     flags = " ".join(f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
-                     for k, v in vars(args).items() if k in ("concurrency", "block_sizes", "requests") and v)
+                     for k, v in vars(args).items()
+                     if k in ("concurrency", "block_sizes", "requests", "prompt_set", "batching", "refill_at") and v)
     result = {"command": f"python -m dflash_lab.tools.bench serve{' --quick' if quick else ''} {flags}".strip(),
               "device": device_name(device), "requests": requests, "max_new_tokens": max_new,
               "prompt_sets": sets, "pair": pair_fingerprint(), "records": [], "phases": {}}
@@ -87,6 +102,8 @@ def serving(args) -> int:
             save()
         done += measure_serving(target, methods, prompts, concurrencies=concurrencies, block_sizes=blocks,
                                 num_requests=requests, max_new_tokens=max_new, prompt_set=s,
+                                batchings=BATCHINGS if args.batching == "both" else (args.batching,),
+                                refill_at=parse_refill_at(args.refill_at),
                                 progress=lambda line: print(line, flush=True), on_record=on_record)
         result["records"] = list(done)
         save()
@@ -114,6 +131,9 @@ def add_command(subparsers) -> None:
     p.add_argument("--max-new-tokens", type=int, help="tokens per request (default 96)")
     p.add_argument("--prompt-set", choices=["heldout", "docstring", "both"], default="both")
     p.add_argument("--no-phases", action="store_true", help="skip the per-batch phase timing")
+    p.add_argument("--batching", choices=["continuous", "static", "both"], default="both")
+    p.add_argument("--refill-at", help="continuous batching refills once N rows are free: N, or c/N for the "
+                                       "concurrency over N (default 1, vLLM's rule)")
     p.add_argument("--device", default=None)
     p.add_argument("--out", default=None, help=OUT_HELP)
     p.set_defaults(func=serving)

@@ -24,6 +24,7 @@ after a stop token. Prompt lookup drafts on the host and reads back every step (
 from __future__ import annotations
 
 import math
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -100,16 +101,20 @@ class ServeRun:
 
 @torch.no_grad()
 def serve(decoder: FastDecoder, prompts, *, max_new_tokens, stop_token_ids=(), policy: str = "continuous",
-          schedule=None) -> ServeRun:
+          schedule=None, refill_at: int = 1) -> ServeRun:
     """Serve ``prompts`` (each (T,) or (1, T)) at concurrency ``decoder.batch``; see the module docstring.
 
     ``max_new_tokens``: one for every request, or one per request (a list as long as ``prompts``).
     ``schedule``: a ``spec_decode.schedule.SpeculationSchedule`` (vLLM's ``num_speculative_tokens_per_batch_size``):
     each step drafts the K it gives for the number of running requests, as vLLM's scheduler reads it; the
     decoder must hold a step for every K + 1 (``FastDecoder(widths=[k + 1 for k in schedule.ks])``).
+    ``refill_at`` (continuous): refill once this many rows are free (or the queue has no more, or nothing
+    runs). 1 is vLLM's rule; more shares one prefill among several requests, at the price of rows idling.
     """
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+    if not is_int(refill_at) or not 1 <= refill_at <= decoder.batch:
+        raise ValueError(f"refill_at must be an integer in 1..{decoder.batch} (the batch), got {refill_at!r}")
     prompts = list(prompts)
     limits = list(max_new_tokens) if isinstance(max_new_tokens, (list, tuple)) else [max_new_tokens] * len(prompts)
     if len(limits) != len(prompts) or not all(is_int(n) and n >= 1 for n in limits):
@@ -125,12 +130,13 @@ def serve(decoder: FastDecoder, prompts, *, max_new_tokens, stop_token_ids=(), p
             decoder.step_at(width_for(b))  # refused now, not mid-stream, when a width was not captured
     waiting = deque((i, torch.as_tensor(p).reshape(-1).to(device)) for i, p in enumerate(prompts))
     running: dict[int, int] = {}  # row -> request index
-    admitted: dict[int, tuple[float, float]] = {}  # request index -> (launched, first token)
+    free: set[int] = set()  # rows that wait for a request
+    admitted: dict[int, tuple] = {}  # request index -> (launched, its prefill's end: a device event on CUDA)
     seqs: dict[int, list[int]] = {}  # host drafting: live row -> its tokens
-    done: list[Request] = []
+    done: list[tuple] = []  # (request, row, result, finished)
     steps = fills = 0
-    widths: dict[int, int] = {}  # step width -> bursts run at it
-    start = synchronized_time(device)
+    widths: dict[int, int] = {}  # step width -> batch steps run at it
+    clock = _Clock(device)  # no sync for a first token's time: an event on CUDA
 
     def admit(rows) -> None:
         nonlocal fills
@@ -140,15 +146,16 @@ def serve(decoder: FastDecoder, prompts, *, max_new_tokens, stop_token_ids=(), p
                 break
             i, p = waiting.popleft()
             batch[b], limit[b], running[b] = p, limits[i], i
+            free.discard(b)
         if not batch:
             return
-        launched = synchronized_time(device) - start
+        launched = clock.host()
         if fills == 0:
             decoder.prefill(list(batch.values()), limit, stop_token_ids)  # rows 0 .. n-1, all reset
         else:
             decoder.fill(batch, limit, stop_token_ids)
         fills += 1
-        first = synchronized_time(device) - start
+        first = clock.mark()
         for b in batch:
             admitted[running[b]] = (launched, first)
         if host:
@@ -162,13 +169,13 @@ def serve(decoder: FastDecoder, prompts, *, max_new_tokens, stop_token_ids=(), p
             active, remaining = torch.stack([decoder.active.long(), decoder.limit - decoder.pos]).tolist()
             finished = [b for b in running if not active[b]]
         if finished:
-            results = decoder.results(finished)  # one read-back for all of them
-            now = synchronized_time(device) - start
+            results = decoder.results(finished)  # one read-back (a sync) for all of them
+            now = clock.host()
             for b, result in zip(finished, results):
-                i = running.pop(b)
-                done.append(Request(i, b, result, *admitted[i], now))
-            if policy == "continuous" or not running:
-                admit(sorted(finished) if policy == "continuous" else range(decoder.batch))
+                done.append((running.pop(b), b, result, now))
+            free.update(finished)
+            if not running or (policy == "continuous" and len(free) >= min(refill_at, len(waiting) or 1)):
+                admit(sorted(free))
             continue
         width = width_for(len(running))
         if host:
@@ -181,7 +188,33 @@ def serve(decoder: FastDecoder, prompts, *, max_new_tokens, stop_token_ids=(), p
                 step()
         steps += k
         widths[width] = widths.get(width, 0) + k
-    seconds = synchronized_time(device) - start
-    done.sort(key=lambda r: r.index)
-    return ServeRun(policy, decoder.batch, done, seconds, steps, fills,
-                    sum((r.result.stats for r in done), SpecDecodeStats()), widths)
+    seconds = clock.host(sync=True)
+    requests = sorted((Request(i, b, result, admitted[i][0], clock.resolve(admitted[i][1]), finished)
+                       for i, b, result, finished in done), key=lambda r: r.index)
+    return ServeRun(policy, decoder.batch, requests, seconds, steps, fills,
+                    sum((r.result.stats for r in requests), SpecDecodeStats()), widths)
+
+
+class _Clock:
+    """Seconds since the stream started: the host's clock, and device marks (CUDA events, resolved at the end,
+    so that timing a prefill costs no sync; off CUDA a mark is the synchronised host time)."""
+
+    def __init__(self, device):
+        self.device, self.cuda = device, device.type == "cuda"
+        self.t0 = synchronized_time(device)
+        if self.cuda:
+            self.start = torch.cuda.Event(enable_timing=True)
+            self.start.record()
+
+    def host(self, sync: bool = False) -> float:
+        return (synchronized_time(self.device) if sync else time.perf_counter()) - self.t0
+
+    def mark(self):
+        if not self.cuda:
+            return self.host(sync=True)
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def resolve(self, mark) -> float:
+        return mark if isinstance(mark, float) else self.start.elapsed_time(mark) / 1e3
