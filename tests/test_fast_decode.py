@@ -375,7 +375,8 @@ def test_a_per_batch_schedule_drafts_the_k_vllm_reads_for_the_running_batch(smal
 
     target, drafter = small_pair
     drafter = drafter if proposer == "dflash" else proposer
-    schedule = SpeculationSchedule.from_config([[1, 2, 7], [3, 3, 1]], max_batch=3, num_speculative_tokens=7)
+    k_full = 1 if proposer == "dflash" else 0  # prompt lookup: no drafts at all while 3 run (steps on the device)
+    schedule = SpeculationSchedule.from_config([[1, 2, 7], [3, 3, k_full]], max_batch=3, num_speculative_tokens=7)
     prompts = [torch.tensor(p * 3) for p in PROMPTS] * 2
     dec = FastDecoder(target, drafter, batch=3, block_size=8, capacity=64, cuda_graphs=False,
                       widths=[k + 1 for k in schedule.ks])
@@ -384,11 +385,11 @@ def test_a_per_batch_schedule_drafts_the_k_vllm_reads_for_the_running_batch(smal
     for p, n, req in zip(prompts, max_new, run.requests):
         expected = target.generate(p[None], max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
         assert torch.equal(req.result.output_ids, expected)
-    assert set(run.widths) == {2, 8} and sum(run.widths.values()) == run.steps
+    assert set(run.widths) == {k_full + 1, 8} and sum(run.widths.values()) == run.steps
     assert run.stats.num_draft_tokens <= 7 * run.stats.num_drafts
     with pytest.raises(ValueError, match="widths"):  # a width the decoder did not capture is refused up front
         serve(FastDecoder(target, drafter, batch=3, block_size=8, capacity=64, cuda_graphs=False), prompts,
-              max_new_tokens=4, schedule=schedule)
+              max_new_tokens=4, schedule=SpeculationSchedule.from_config([[1, 3, 3]], 3, 7))
 
 
 def test_serving_records_are_the_timing_records_with_vllm_bench_serves_latencies(small_pair):

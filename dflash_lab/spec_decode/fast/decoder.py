@@ -193,6 +193,8 @@ class FastDecoder:
         """The graphed step that verifies ``width`` tokens per row (a schedule's K + 1), captured once."""
         if width == self.B:
             return self.step
+        if width == 1 and self.step_plain is not None:  # a host proposer's step without drafts
+            return self.step_plain
         if not is_int(width) or not 1 <= width <= self.B:
             raise ValueError(f"a step verifies 1 .. {self.B} tokens per row (the decoder's block), got {width!r}")
         if width not in self.steps:  # capturing resets the decode state: warm every width before decoding
@@ -330,6 +332,13 @@ class FastDecoder:
         (the prompt and the first token)."""
         state = torch.stack([self.last, self.active.long()], 1).tolist()
         return {b: p.reshape(-1).tolist() + [state[b][0]] for b, p in rows.items() if state[b][1]}
+
+    def live_tokens(self, rows) -> dict[int, list[int]]:
+        """Each live row of ``rows`` -> its tokens so far, read back (host drafting resumes after device steps)."""
+        rows = list(rows)
+        S = self.tokens.shape[1]
+        back = torch.cat([self.tokens, self.pos[:, None], self.active[:, None].long()], 1)[rows].tolist()
+        return {b: r[:r[S] + 1] for b, r in zip(rows, back) if r[S + 1]}
 
     def host_step(self, seqs: dict[int, list[int]], width: int | None = None) -> list[int]:
         """One host-drafted step (prompt lookup) of ``width`` (default B): drafts from each live row's tokens

@@ -137,6 +137,7 @@ def serve(decoder: FastDecoder, prompts, *, max_new_tokens, stop_token_ids=(), p
     steps = fills = 0
     widths: dict[int, int] = {}  # step width -> batch steps run at it
     clock = _Clock(device)  # no sync for a first token's time: an event on CUDA
+    stale = False  # host drafting: seqs behind the device after steps without drafts (a schedule's K = 0)
 
     def admit(rows) -> None:
         nonlocal fills
@@ -158,12 +159,12 @@ def serve(decoder: FastDecoder, prompts, *, max_new_tokens, stop_token_ids=(), p
         first = clock.mark()
         for b in batch:
             admitted[running[b]] = (launched, first)
-        if host:
+        if host and not stale:
             seqs.update(decoder.host_rows(batch))
 
     admit(range(min(decoder.batch, len(waiting))))
     while running:
-        if host:
+        if host and not stale:
             finished = [b for b in running if b not in seqs]
         else:
             active, remaining = torch.stack([decoder.active.long(), decoder.limit - decoder.pos]).tolist()
@@ -178,10 +179,15 @@ def serve(decoder: FastDecoder, prompts, *, max_new_tokens, stop_token_ids=(), p
                 admit(sorted(free))
             continue
         width = width_for(len(running))
-        if host:
+        if host and width > 1:
+            if stale:
+                seqs, stale = decoder.live_tokens(running), False
             decoder.host_step(seqs, width)
             k = 1
-        else:
+        else:  # drafted on the device, or no drafts at all: bursts without a read-back
+            if host and not stale:  # coming from host drafting: how far each row still has to go
+                remaining = (decoder.limit - decoder.pos).tolist()
+            stale = host
             k = max(1, math.ceil(min(remaining[b] for b in running) / width))
             step = decoder.step_at(width)
             for _ in range(k):
