@@ -55,7 +55,7 @@ EXTRA_KEYS = {"static": ("cuda_graphs", "batch_steps", "ms_per_batch_step", "set
               "eager": ("per_position_acceptance_rate", "target_ms_per_forward", "drafter_ms_per_step"),
               "serving": ("batching", "cuda_graphs", "batch_steps", "requests", "max_new_tokens", "request_throughput",
                           *(f"{s}_{m}_ms" for m in ("ttft", "tpot", "e2el") for s in ("mean", "median", "p99")),
-                          "request_steps", "static_batch_steps", "refill_at", "moe", "measured")}
+                          "request_steps", "static_batch_steps", "refill_at", "schedule", "moe", "measured")}
 
 
 def prompt_set_of(record: dict) -> str:

@@ -65,12 +65,13 @@ def serving_methods(drafters: dict, block_sizes) -> list[tuple[str, object, int]
 
 def measure_serving(target, drafters: dict, prompts, *, concurrencies=CONCURRENCIES, block_sizes=(16,),
                     batchings=BATCHINGS, num_requests: int = NUM_REQUESTS, max_new_tokens: int,
-                    prompt_set: str = "heldout", cuda_graphs: bool = True, refill_at=None, progress=print,
-                    on_record=None) -> list[dict]:
+                    prompt_set: str = "heldout", cuda_graphs: bool = True, refill_at=None, schedules=None,
+                    progress=print, on_record=None) -> list[dict]:
     """Serve a stream of ``num_requests`` (``prompts`` cycled) at every concurrency, for target-only, every
     drafter ({method: drafter}) and prompt lookup at every block size, under each batching; see the module
     docstring. ``refill_at``: continuous batching refills once this many rows are free (a function of the
-    concurrency, or None: 1, vLLM's rule; ``serving.serve``)."""
+    concurrency, or None: 1, vLLM's rule; ``serving.serve``). ``schedules``: {method: SpeculationSchedule}:
+    that method also runs continuously at the schedule's K per running batch (its record's ``schedule``)."""
     unknown = set(batchings) - set(BATCHINGS)
     if unknown:
         raise ValueError(f"batchings must be among {BATCHINGS}, got {sorted(unknown)}")
@@ -81,13 +82,17 @@ def measure_serving(target, drafters: dict, prompts, *, concurrencies=CONCURRENC
     measured = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     records, reference = [], {}
     for c in concurrencies:
-        for method, drafter, block in serving_methods(drafters, block_sizes):
-            dec = FastDecoder(target, drafter, batch=c, block_size=block, capacity=capacity, cuda_graphs=cuda_graphs)
+        runs = [(m, d, b, None) for m, d, b in serving_methods(drafters, block_sizes)]
+        runs += [(m, {**drafters, "prompt_lookup": "ngram"}[m], max(s.ks) + 1, s) for m, s in (schedules or {}).items()]
+        for method, drafter, block, schedule in runs:
+            dec = FastDecoder(target, drafter, batch=c, block_size=block, capacity=capacity, cuda_graphs=cuda_graphs,
+                              widths=[k + 1 for k in schedule.ks] if schedule else ())
             capture_fills(dec, stream)  # warm-up: every (rows, width) prefill graph captured outside the clock
             serve(dec, stream, max_new_tokens=2)
-            for batching in (batchings if c > 1 else batchings[:1]):
+            for batching in (batchings if c > 1 else batchings[:1]) if schedule is None else ("continuous",):
                 at = 1 if refill_at is None or batching == "static" else max(1, min(c, refill_at(c)))
-                run = serve(dec, stream, max_new_tokens=max_new_tokens, policy=batching, refill_at=at)
+                run = serve(dec, stream, max_new_tokens=max_new_tokens, policy=batching, refill_at=at,
+                            schedule=schedule)
                 outputs = [r.result.new_token_ids for r in run.requests]
                 reference.setdefault((c, batching), outputs)  # target-only runs first
                 m = run.metrics()
@@ -98,9 +103,11 @@ def measure_serving(target, drafters: dict, prompts, *, concurrencies=CONCURRENC
                                     max_new_tokens=max_new_tokens, request_steps=steps,
                                     static_batch_steps=static_batch_steps(steps, c) if batching == "static" else None,
                                     refill_at=at, moe=dec.tgt.moe, measured=measured,
+                                    schedule=[list(r) for r in schedule.ranges] if schedule else None,
                                     **{k: m[k] for k in EXTRA_KEYS["serving"] if k in m})
                 records.append(rec)
-                progress(f"  concurrency {c:>2} {batching:10s} {method:15s} block {block:>2}: "
+                progress(f"  concurrency {c:>2} {batching:10s} {method:15s} block {block:>2}"
+                         f"{' scheduled' if schedule else ''}: "
                          f"{rec['tokens_per_s']:9.1f} tok/s  tau {rec['mean_acceptance_length']}  "
                          f"{rec['batch_steps']:>5} steps  e2el {rec['mean_e2el_ms']:.1f} ms  "
                          f"same as target-only {rec['outputs_equal_target_only']}")

@@ -17,10 +17,14 @@ Writes benchmarks/spec_decode_serving.{json,md} (the shipped pair; another pair'
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from ..assets import load_pair, pair_fingerprint
 from ..measure.decoding import PROMPT_SETS, drafter_methods
 from ..measure.serving import BATCHINGS, CONCURRENCIES, NUM_REQUESTS, best_blocks, measure_serving, phases_at
 from ..runtime import device_name, resolve_device
+from ..spec_decode.schedule import SpeculationSchedule, measurements_from_record, recommend_schedule
 from .bench_common import OUT_HELP, pair_out_dir, write_results
 from .bench_spec_decode import PROMPT_LENGTH, prompt_ids
 
@@ -73,6 +77,25 @@ def parse_refill_at(text: str | None):
         raise ValueError(f"--refill-at must be N or c/N (N an integer), got {text!r}") from None
 
 
+def schedules_from(path, prompt_set: str, methods, max_batch: int) -> dict | None:
+    """{method: the schedule ``spec_decode.schedule`` recommends from the continuous records of the serving
+    record at ``path``} for one prompt set; None without a path."""
+    if path is None:
+        return None
+    record = json.loads(Path(path).read_text())
+    rows = [r for r in record["records"] if r.get("batching") == "continuous" and r.get("schedule") is None]
+    out = {}
+    for method in methods:
+        try:
+            ms = measurements_from_record({"records": rows}, method, prompt_set=prompt_set)
+        except ValueError:
+            continue  # a method the record does not hold
+        rec = recommend_schedule(ms, max_batch=max_batch)
+        if rec.num_speculative_tokens > 0:
+            out[method] = SpeculationSchedule.from_config(rec.schedule, max_batch, rec.num_speculative_tokens)
+    return out
+
+
 def serving(args) -> int:
     device = resolve_device(args.device)
     quick = args.quick
@@ -85,7 +108,7 @@ def serving(args) -> int:
     methods = drafter_methods(drafters)
     flags = " ".join(f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
                      for k, v in vars(args).items()
-                     if k in ("concurrency", "block_sizes", "requests", "prompt_set", "batching", "refill_at") and v)
+                     if k in ("concurrency", "block_sizes", "requests", "prompt_set", "batching", "refill_at", "schedule_from") and v)
     result = {"command": f"python -m dflash_lab.tools.bench serve{' --quick' if quick else ''} {flags}".strip(),
               "device": device_name(device), "requests": requests, "max_new_tokens": max_new,
               "prompt_sets": sets, "pair": pair_fingerprint(), "records": [], "phases": {}}
@@ -104,6 +127,8 @@ def serving(args) -> int:
                                 num_requests=requests, max_new_tokens=max_new, prompt_set=s,
                                 batchings=BATCHINGS if args.batching == "both" else (args.batching,),
                                 refill_at=parse_refill_at(args.refill_at),
+                                schedules=schedules_from(args.schedule_from, s, list(methods) + ["prompt_lookup"],
+                                                         max(concurrencies)),
                                 progress=lambda line: print(line, flush=True), on_record=on_record)
         result["records"] = list(done)
         save()
@@ -132,6 +157,8 @@ def add_command(subparsers) -> None:
     p.add_argument("--prompt-set", choices=["heldout", "docstring", "both"], default="both")
     p.add_argument("--no-phases", action="store_true", help="skip the per-batch phase timing")
     p.add_argument("--batching", choices=["continuous", "static", "both"], default="both")
+    p.add_argument("--schedule-from", help="a serving record (benchmarks/spec_decode_serving.json): each method "
+                                           "also runs at the per-batch schedule recommended from its continuous rows")
     p.add_argument("--refill-at", help="continuous batching refills once N rows are free: N, or c/N for the "
                                        "concurrency over N (default 1, vLLM's rule)")
     p.add_argument("--device", default=None)
