@@ -29,6 +29,7 @@ from .bench_common import OUT_HELP, pair_out_dir, write_results
 from .bench_spec_decode import PROMPT_LENGTH, prompt_ids
 
 STEM = "spec_decode_serving"
+FLAGS_RECORDED = ("concurrency", "block_sizes", "requests", "prompt_set", "batching", "refill_at", "schedule_from")
 
 
 def serving_markdown(result: dict) -> str:
@@ -108,7 +109,7 @@ def serving(args) -> int:
     methods = drafter_methods(drafters)
     flags = " ".join(f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
                      for k, v in vars(args).items()
-                     if k in ("concurrency", "block_sizes", "requests", "prompt_set", "batching", "refill_at", "schedule_from") and v)
+                     if k in FLAGS_RECORDED and v)
     result = {"command": f"python -m dflash_lab.tools.bench serve{' --quick' if quick else ''} {flags}".strip(),
               "device": device_name(device), "requests": requests, "max_new_tokens": max_new,
               "prompt_sets": sets, "pair": pair_fingerprint(), "records": [], "phases": {}}
