@@ -17,10 +17,11 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 import pytest  # noqa: E402
 
 from dflash_lab.runtime import DEFAULT_DRAFTER, REPO_ROOT  # noqa: E402
+from dflash_lab.measure.decoding import measurements_from_record  # noqa: E402
 from dflash_lab.spec_decode.schedule import (  # noqa: E402
-    Measurement, SpeculationSchedule, main, measurements_from_record, recommend_schedule, schedule_lookup,
-    speculative_config_json, validate_schedule,
+    Measurement, SpeculationSchedule, recommend_schedule, schedule_lookup, speculative_config_json, validate_schedule,
 )
+from dflash_lab.tools.recommend_schedule import main  # noqa: E402
 
 RECORD = REPO_ROOT / "benchmarks" / "spec_decode.json"
 

@@ -43,6 +43,7 @@ import torch
 from ..runtime import device_name, synchronized_time
 from ..spec_decode import speculative_generate
 from ..spec_decode.fast.decoder import PHASES, FastDecoder
+from ..spec_decode.schedule import Measurement
 from ..spec_decode.stats import SpecDecodeStats
 
 METHODS = ("target_only", "dflash", "dflash_poolside", "prompt_lookup")
@@ -321,3 +322,17 @@ def whole_step_seconds(decoder: FastDecoder, replays: int = 64) -> float:
         torch.cuda.synchronize(decoder.device)
         return start.elapsed_time(end) / 1e3 / replays
     return (synchronized_time(decoder.device) - t0) / replays
+
+
+def measurements_from_record(record: dict, method: str, *, prompt_set: str = "heldout",
+                             cuda_graphs: bool = True) -> list[Measurement]:
+    """``method`` 's and target-only's rows of a spec-decode record, as Measurements (K = block size - 1)."""
+    rows = [r for r in records_of(record.get("records", []), prompt_set)
+            if r["method"] in (method, "target_only") and bool(r.get("cuda_graphs")) == cuda_graphs]
+    if not any(r["method"] == method for r in rows):
+        known = sorted({r["method"] for r in record.get("records", [])} - {"target_only"})
+        raise ValueError(f"no {method!r} rows on the {prompt_set!r} prompts with cuda_graphs={cuda_graphs} in the "
+                         f"record; its methods: {known}")
+    return [Measurement(batch=r["batch"], k=r["block_size"] - 1, step_ms=r.get("ms_per_batch_step"),
+                        tau=None if r["method"] == "target_only" else r.get("mean_acceptance_length"),
+                        tokens_per_s=r.get("tokens_per_s")) for r in rows]

@@ -36,16 +36,14 @@ midpoint in log(batch) (each batch takes the K of the nearest measured size), or
 measured tokens/s: the step model leaves out prefill and the ragged end of a batch, and on the
 shipped record it over-predicts at batch 32. ``speculative_config_json`` writes it for ``vllm serve``.
 
-    python -m dflash_lab.spec_decode.schedule --record benchmarks/spec_decode.json --method dflash
+    python -m dflash_lab.tools.recommend_schedule --record benchmarks/spec_decode.json --method dflash
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 from ..runtime import is_int
 
@@ -309,24 +307,9 @@ def speculative_config_json(method: str, model: str | None, num_speculative_toke
 
 
 # ---------------------------------------------------------------------------
-# From a benchmark record (benchmarks/spec_decode.json) to a printed recommendation
+# A recommendation, printed (``measure.decoding.measurements_from_record`` reads one from a record;
+# ``python -m dflash_lab.tools.recommend_schedule`` prints it)
 # ---------------------------------------------------------------------------
-
-
-def measurements_from_record(record: dict, method: str, *, prompt_set: str = "heldout",
-                             cuda_graphs: bool = True) -> list[Measurement]:
-    """``method`` 's and target-only's rows of a spec-decode record, as Measurements (K = block size - 1)."""
-    from ..measure.decoding import records_of
-
-    rows = [r for r in records_of(record.get("records", []), prompt_set)
-            if r["method"] in (method, "target_only") and bool(r.get("cuda_graphs")) == cuda_graphs]
-    if not any(r["method"] == method for r in rows):
-        known = sorted({r["method"] for r in record.get("records", [])} - {"target_only"})
-        raise ValueError(f"no {method!r} rows on the {prompt_set!r} prompts with cuda_graphs={cuda_graphs} in the "
-                         f"record; its methods: {known}")
-    return [Measurement(batch=r["batch"], k=r["block_size"] - 1, step_ms=r.get("ms_per_batch_step"),
-                        tau=None if r["method"] == "target_only" else r.get("mean_acceptance_length"),
-                        tokens_per_s=r.get("tokens_per_s")) for r in rows]
 
 
 def format_recommendation(rec: Recommendation) -> str:
@@ -342,62 +325,3 @@ def format_recommendation(rec: Recommendation) -> str:
         lines.append(f"{f'{start}-{end}':>9}  {k:>3}  {inside or '(no measured batch inside: carried over)'}")
     lines.append(f"past {rec.schedule[-1][1]} vLLM carries K = {rec.schedule[-1][2]}")
     return "\n".join(lines)
-
-
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m dflash_lab.spec_decode.schedule", description=__doc__.split(
-        "\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--record", type=Path, required=True, help="a spec-decode benchmark record (JSON)")
-    parser.add_argument("--method", required=True, help="dflash, dflash_<drafter> or prompt_lookup")
-    parser.add_argument("--prompt-set", default="heldout", help="whose rows to use (default: heldout)")
-    parser.add_argument("--basis", choices=BASES, default="auto",
-                        help="measured tokens/s, or batch * tau / step time (auto: measured when present)")
-    parser.add_argument("--switch", choices=SWITCHES, default="log_midpoint",
-                        help="where K changes between measured batch sizes")
-    parser.add_argument("--max-batch", type=int, help="the server's max_num_seqs (default: largest measured)")
-    parser.add_argument("--model", help="the drafter path to write (default: the shipped drafter of --method)")
-    args = parser.parse_args(argv)
-    from ..assets import DRAFTERS
-    from ..measure.decoding import drafter_methods, records_of
-    from ..runtime import DEFAULT_TARGET, REPO_ROOT
-    from .proposers import PromptLookupDrafter
-
-    record = json.loads(args.record.read_text())
-    try:
-        rows = measurements_from_record(record, args.method, prompt_set=args.prompt_set)
-        rec = recommend_schedule(rows, max_batch=args.max_batch, basis=args.basis, switch=args.switch)
-    except ValueError as e:
-        raise SystemExit(f"error: {e}") from None
-    used = [r for r in records_of(record["records"], args.prompt_set)
-            if r["method"] in (args.method, "target_only") and r.get("cuda_graphs")]
-    def when(rows) -> str:
-        return "; ".join(f"{d}, {t}" for d, t in sorted({(r.get("device", "?"), r.get("measured", "?")) for r in rows}))
-
-    sets = sorted({r.get("prompt_set") or "heldout" for r in record["records"]} - {args.prompt_set})
-    print(f"{args.method} on the {args.prompt_set} prompts of {args.record}, CUDA graphs on; switch: {rec.switch}")
-    print(f"measured on {when(used)}" + "".join(f"; the record's {s} rows on {when(records_of(record['records'], s))}"
-                                             for s in sets))
-    print(format_recommendation(rec) + "\n")
-    if rec.num_speculative_tokens == 0:
-        print("target-only wins at every measured batch size: serve without --speculative-config")
-        return
-
-    def shown(path) -> str:
-        path = Path(path).resolve()
-        return str(path.relative_to(REPO_ROOT)) if path.is_relative_to(REPO_ROOT) else str(path)
-
-    if args.method == "prompt_lookup":
-        text = speculative_config_json("ngram", None, None, rec.schedule,
-                                       prompt_lookup_min=PromptLookupDrafter.prompt_lookup_min,
-                                       prompt_lookup_max=PromptLookupDrafter.prompt_lookup_max)
-    else:
-        model = args.model or drafter_methods(DRAFTERS).get(args.method)
-        if model is None:
-            raise SystemExit(f"no shipped drafter for {args.method!r}: pass --model")
-        text = speculative_config_json("dflash", shown(model), None, rec.schedule)
-    print(f"--speculative-config '{text}'")
-    print(f"e.g. (from the repository root): vllm serve {shown(DEFAULT_TARGET)} --speculative-config '{text}'")
-
-
-if __name__ == "__main__":
-    main()

@@ -21,10 +21,10 @@ import json
 from pathlib import Path
 
 from ..assets import load_pair, pair_fingerprint
-from ..measure.decoding import PROMPT_SETS, drafter_methods
+from ..measure.decoding import PROMPT_SETS, drafter_methods, measurements_from_record
 from ..measure.serving import BATCHINGS, CONCURRENCIES, NUM_REQUESTS, best_blocks, measure_serving, phases_at
 from ..runtime import device_name, resolve_device
-from ..spec_decode.schedule import SpeculationSchedule, measurements_from_record, recommend_schedule
+from ..spec_decode.schedule import SpeculationSchedule, recommend_schedule
 from .bench_common import OUT_HELP, pair_out_dir, write_results
 from .bench_spec_decode import PROMPT_LENGTH, prompt_ids
 
