@@ -311,7 +311,7 @@ def test_every_chapter_runs_on_the_users_pair(executed, path, user_pair):
         assert "skipped:" in text and assets.DRAFTER2_ENV in text
     if chapter == "04":
         assert "Your pair (`target` + `drafter`)" in text
-    if chapter in ("05", "07"):  # committed records are labelled as the shipped pair's
+    if chapter in ("05", "07", "08"):  # committed records are labelled as the shipped pair's
         assert "the shipped pair's committed run, not your pair (target)" in text
     if chapter == "06":
         assert "is not checked on your pair" in text

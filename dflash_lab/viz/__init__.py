@@ -13,6 +13,7 @@ model outputs themselves; they draw what they are given.
     training    training logs (loss curves, per-position agreement)
     training_live  chapter 6: a drafter's loss and held-out acceptance while it trains
     verification  chapter 7: verification rules side by side (per-position rates, τ intervals)
+    serving     chapter 8: the straggler effect, static against continuous batching, speed-up against concurrency
 """
 
 from dflash_lab.viz.common import (METHOD_COLOR_NAMES, METHOD_COLORS, PALETTE, answer_table, html_table, method_color,
@@ -51,6 +52,7 @@ from dflash_lab.viz.training import plot_training_log, read_training_log
 from dflash_lab.viz.speed import speedup_vs_tau_figure, step_time_figure  # noqa: F401  (chapter 5: measured speed)
 from dflash_lab.viz.training_live import drafter_comparison_figure, live_training_figure, update_live_training_figure
 from dflash_lab.viz.verification import tau_interval_figure, verification_rates_figure
+from dflash_lab.viz.serving import serving_speedup_figure, straggler_figure
 
 __all__ = [
     "PALETTE", "METHOD_COLORS", "METHOD_COLOR_NAMES", "method_color", "save_figure",

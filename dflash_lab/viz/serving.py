@@ -1,0 +1,78 @@
+"""Chapter 8: serving a request stream — the straggler effect, static against continuous batching.
+
+Both functions take plain numbers (steps per request, timing records of ``measure.serving``) and draw them.
+"""
+
+from __future__ import annotations
+
+import plotly.graph_objects as go
+
+from dflash_lab.viz.common import PALETTE, titled
+
+BATCHING_DASH = {"continuous": "solid", "static": "dot"}
+COLORS = {"dflash": PALETTE["blue"], "dflash_poolside": PALETTE["green"], "prompt_lookup": PALETTE["orange"]}
+
+
+def straggler_figure(request_steps, concurrency: int, *, title: str | None = None) -> go.Figure:
+    """Each request's own steps (dots) against the steps its static batch ran (bars): a static batch of
+    ``concurrency`` consecutive requests runs until its slowest is done."""
+    batches = [request_steps[i:i + concurrency] for i in range(0, len(request_steps), concurrency)]
+    fig = go.Figure()
+    fig.add_trace(go.Bar(x=list(range(1, len(batches) + 1)), y=[max(b) for b in batches], name="steps the batch ran",
+                         marker_color=PALETTE["grey"], opacity=0.5))
+    xs = [i + 1 for i, b in enumerate(batches) for _ in b]
+    fig.add_trace(go.Scatter(x=xs, y=[s for b in batches for s in b], mode="markers", name="steps a request needed",
+                             marker=dict(color=COLORS["dflash"], size=7)))
+    fig.update_layout(xaxis_title=f"static batch ({concurrency} requests each)", yaxis_title="target steps",
+                      legend=dict(orientation="h", y=-0.25), bargap=0.3)
+    return titled(fig, title or "The straggler effect: a static batch waits for its slowest request", height=340)
+
+
+def serving_speedup_figure(records, *, phases: dict | None = None, prompt_set: str = "heldout",
+                           methods=tuple(COLORS), title: str | None = None) -> go.Figure:
+    """Speed-up over target-only (same concurrency and batching; each method at its best block) against the
+    concurrency, continuous (solid) and static (dotted); with ``phases`` ({concurrency: {method: phase row}}), the
+    bound tau x target-only step / drafter step (prefill and ragged ends left out) for each drafter."""
+    rows = [r for r in records if r.get("prompt_set", "heldout") == prompt_set and r.get("schedule") is None]
+    base = {(r["batch"], r["batching"]): r["tokens_per_s"] for r in rows if r["method"] == "target_only"}
+    fig = go.Figure()
+    for method in methods:
+        for batching, dash in BATCHING_DASH.items():
+            best = {}
+            for r in rows:
+                if r["method"] == method and r["batching"] == batching and (r["batch"], batching) in base:
+                    x = r["tokens_per_s"] / base[r["batch"], batching]
+                    best[r["batch"]] = max(best.get(r["batch"], 0.0), x)
+            if batching == "static" and 1 in best and (1, "continuous") in base:
+                best.pop(1)  # at concurrency 1 the two batchings admit alike: drawn once
+            if best:
+                cs = sorted(best)
+                fig.add_trace(go.Scatter(x=cs, y=[best[c] for c in cs], mode="lines+markers",
+                                         name=f"{method}, {batching}", line=dict(color=_color(method), dash=dash)))
+        bound = _bound(rows, phases or {}, method)
+        if bound:
+            cs = sorted(bound)
+            fig.add_trace(go.Scatter(x=cs, y=[bound[c] for c in cs], mode="markers", name=f"{method}: step bound",
+                                     marker=dict(color=_color(method), symbol="line-ew-open", size=16)))
+    fig.add_hline(y=1, line=dict(color="black", dash="dash"))
+    fig.update_xaxes(type="log", title_text="concurrency (requests at once)", tickvals=sorted({c for c, _ in base}))
+    fig.update_yaxes(title_text="× target-only", rangemode="tozero")
+    fig.update_layout(legend=dict(orientation="h", y=-0.3))
+    return titled(fig, title or f"Speed-up against concurrency ({prompt_set} prompts)", height=420)
+
+
+def _bound(rows, phases: dict, method: str) -> dict:
+    """{concurrency: tau x target-only whole step / the method's whole step} where the phases hold both."""
+    out = {}
+    for c, per in phases.items():
+        if method not in per or "target_only" not in per:
+            continue
+        taus = [r["mean_acceptance_length"] for r in rows if r["method"] == method and r["batch"] == int(c)
+                and r["block_size"] == per[method]["block_size"] and r["batching"] == "continuous"]
+        if taus:
+            out[int(c)] = taus[0] * per["target_only"]["whole_step_ms"] / per[method]["whole_step_ms"]
+    return out
+
+
+def _color(method: str) -> str:
+    return COLORS.get(method, PALETTE["purple"])

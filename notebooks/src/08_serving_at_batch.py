@@ -1,0 +1,191 @@
+# %% [markdown]
+# # Chapter 8 · Serving at batch
+#
+# **Question.** Why does DFlash's speed-up shrink as more requests run at once, and what does a
+# server do about it?
+#
+# A DFlash step costs about the same for one sequence or for thirty-two on a GPU, and keeps τ tokens
+# of each. What shrinks at batch is not the step but the number of useful rows in it. Decode a
+# **static batch** — B prompts in, wait until all are done, B more — and every finished row idles
+# until the batch's slowest sequence ends: the batch runs as many steps as its straggler needs.
+# vLLM's scheduler does not work that way: it keeps up to `max_num_seqs` requests running and gives
+# a finished request's place to the next waiting one at the next step (**continuous batching**,
+# `vllm/v1/core/sched/scheduler.py`). vLLM 0.33 also lets an operator size the speculation per
+# running batch, `num_speculative_tokens_per_batch_size` (`vllm/config/speculative.py`,
+# `vllm/v1/spec_decode/dynamic/utils.py`): fewer drafts where the verify step turns compute-bound.
+#
+# The lab's fast path does both (`spec_decode.fast.serving.serve`): a decoder row is a request's
+# place; a finished row is read back and refilled with the next prompt (its own prefill, its caches
+# and context K/V overwritten, the other rows untouched), and the graphed step goes on at the same
+# shape. This chapter measures the straggler effect live, then reads the committed GPU record.
+
+# %%
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing in the lab reaches the network
+
+import json
+
+import torch
+
+from dflash_lab import viz
+from dflash_lab.assets import default_device, heldout_prompts, load_default_pair, record_note
+from dflash_lab.measure.decoding import measurements_from_record
+from dflash_lab.measure.serving import request_stream
+from dflash_lab.runtime import BENCHMARKS_DIR, REPO_ROOT, device_name, drafter_path, seed_everything
+from dflash_lab.spec_decode.fast.decoder import FastDecoder
+from dflash_lab.spec_decode.fast.serving import serve
+from dflash_lab.spec_decode.schedule import format_recommendation, recommend_schedule, speculative_config_json
+
+seed_everything(0)
+device = default_device()
+target, drafter, tokenizer = load_default_pair(device, dtype=torch.float32)
+CONCURRENCY, REQUESTS, NEW_TOKENS, BLOCK = 4, 12, 24, 8
+prompts = [torch.tensor(tokenizer(p["text"])["input_ids"][-48:]) for p in heldout_prompts()[:REQUESTS]]
+stream = request_stream(prompts, REQUESTS)
+graphs = device.type == "cuda"
+print(f"device {device_name(device)}; {REQUESTS} held-out requests of {len(prompts[0])} tokens, "
+      f"{NEW_TOKENS} new tokens each, {CONCURRENCY} at a time; DFlash block {BLOCK}; CUDA graphs {graphs}")
+
+# %% [markdown]
+# ## 1. The straggler effect, live
+#
+# The same stream of requests served twice by the same decoder: statically (a new batch only when
+# the last one is done) and continuously (a finished row takes the next request). Both are greedy and
+# lossless: every request's tokens are target-only's.
+
+# %%
+runs = {}
+for method, proposer, block in (("target_only", None, 1), ("dflash", drafter, BLOCK)):
+    dec = FastDecoder(target, proposer, batch=CONCURRENCY, block_size=block,
+                      capacity=max(len(p) for p in prompts) + NEW_TOKENS, cuda_graphs=graphs)
+    serve(dec, stream, max_new_tokens=2)  # warm-up: every prefill shape once
+    for batching in ("static", "continuous"):
+        runs[method, batching] = serve(dec, stream, max_new_tokens=NEW_TOKENS, policy=batching)
+reference = [r.result.new_token_ids for r in runs["target_only", "static"].requests]
+for (method, batching), run in runs.items():
+    same = sum(r.result.new_token_ids == ref for r, ref in zip(run.requests, reference))
+    steps = run.steps_per_request()
+    print(f"{method:11s} {batching:10s}: {run.steps:4d} batch steps, a request needs {sum(steps) / len(steps):5.1f} "
+          f"on average; the same tokens as target-only: {same}/{len(reference)}")
+
+# %%
+live_steps = runs["dflash", "static"].steps_per_request()
+viz.straggler_figure(live_steps, CONCURRENCY,
+                     title=f"Live, DFlash block {BLOCK}: each static batch of {CONCURRENCY} waits for its slowest")
+
+# %% [markdown]
+# Every dot below its bar is a row idling. Target-only requests all need the same number of steps
+# (one token each), so a static batch wastes nothing there; DFlash requests finish after τ-dependent
+# numbers of steps, and the slowest sets the pace. Continuous batching runs the DFlash stream in
+# fewer batch steps:
+
+# %%
+dflash_static, dflash_cont = runs["dflash", "static"].steps, runs["dflash", "continuous"].steps
+print(f"DFlash batch steps: static {dflash_static}, continuous {dflash_cont} "
+      f"({dflash_static / dflash_cont:.2f}x fewer); the lower bound, every row busy to the end: "
+      f"{-(-sum(live_steps) // CONCURRENCY)}")
+
+# %% [markdown]
+# On a CPU every step is slow and host work is a small share, so the live timings say little about
+# a server; the committed record does.
+#
+# ## 2. The committed record: static against continuous, up to 64 requests at once
+#
+# `python -m dflash_lab.tools.bench serve --refill-at c/4` on a GPU: 128 requests (the prompt set
+# cycled), 96 new tokens each, every request arriving at once (`vllm bench serve --request-rate inf
+# --max-concurrency B`), graphs on, bf16; target-only, both shipped drafters and prompt lookup at blocks
+# 4, 8 and 16, each method at its best block. Continuous batching there refills once a quarter of the
+# rows are free (`--refill-at c/4`): a refill is its own prefill forward, and one shared by several
+# requests costs about what one costs (the refill-threshold sweep is
+# `benchmarks/spec_decode_serving_refill.json`).
+
+# %%
+record = json.loads((BENCHMARKS_DIR / "spec_decode_serving.json").read_text())
+note = record_note(record)
+print(f"device {record['device']}; {record['command']}" + (f"\nwhose numbers: {note}" if note else ""))
+records, phases = record["records"], record.get("phases", {})
+viz.serving_speedup_figure(records, phases=phases, title=f"Speed-up against concurrency ({record['device']})")
+
+# %% [markdown]
+# The bars marked "step bound" are τ × target-only's step / the drafter's step at that batch, from
+# each phase timed as its own graph: what the method would reach if every row were busy every step
+# and prefill were free.
+
+
+# %%
+def best(method, batch, batching, prompt_set="heldout"):
+    rows = [r for r in records if r["method"] == method and r["batch"] == batch and r["batching"] == batching
+            and r["prompt_set"] == prompt_set and r.get("schedule") is None]
+    return max(rows, key=lambda r: r["tokens_per_s"]) if rows else None
+
+
+def speedup(method, batch, batching, prompt_set="heldout"):
+    r, base = best(method, batch, batching, prompt_set), best("target_only", batch, batching, prompt_set)
+    return r["tokens_per_s"] / base["tokens_per_s"] if r and base else float("nan")
+
+
+for c in sorted({r["batch"] for r in records}):
+    step = phases.get(str(c), {})
+    static = f"{speedup('dflash', c, 'static'):.2f}x static" if c > 1 else "static alike at 1"
+    line = (f"concurrency {c:>2}: DFlash {speedup('dflash', c, 'continuous'):.2f}x continuous, {static}; "
+            f"prompt lookup {speedup('prompt_lookup', c, 'continuous'):.2f}x continuous")
+    if "dflash" in step:
+        line += (f"; step {step['dflash']['whole_step_ms']:.3f} ms vs target-only "
+                 f"{step['target_only']['whole_step_ms']:.3f} ms")
+    print(line)
+
+# %%
+rec32 = best("dflash", 32, "static")
+viz.straggler_figure(rec32["request_steps"], 32,
+                     title=f"The record, DFlash block {rec32['block_size']}, static batches of 32")
+
+# %% [markdown]
+# ## 3. Which speculation per batch: vLLM 0.33's schedule
+#
+# From the continuous rows, `spec_decode.schedule.recommend_schedule` picks at each measured
+# concurrency the K (drafts per step, block − 1; K = 0 is a plain target step) with the most tokens
+# per second, and writes the `num_speculative_tokens_per_batch_size` ranges vLLM 0.33 validates with
+# its own rules (the lab's `validate_schedule` is pinned against them in `tests/test_schedule.py`):
+
+# %%
+continuous = {"records": [r for r in records if r["batching"] == "continuous" and r.get("schedule") is None]}
+schedules = {}
+for method in ("dflash", "prompt_lookup"):
+    rec = recommend_schedule(measurements_from_record(continuous, method), max_batch=64)
+    schedules[method] = rec
+    print(f"{method}:\n{format_recommendation(rec)}\n")
+drafter_dir = drafter_path().resolve()
+shown = drafter_dir.relative_to(REPO_ROOT) if drafter_dir.is_relative_to(REPO_ROOT) else drafter_dir
+print("vllm serve TARGET --max-num-seqs 64 --speculative-config '"
+      + speculative_config_json("dflash", str(shown), None, schedules["dflash"].schedule) + "'")
+lookup = schedules["prompt_lookup"]
+if lookup.num_speculative_tokens:
+    print("vllm serve TARGET --max-num-seqs 64 --speculative-config '"
+          + speculative_config_json("ngram", None, None, lookup.schedule, prompt_lookup_min=2, prompt_lookup_max=5)
+          + "'")
+
+# %% [markdown]
+# Prompt lookup's schedule stops speculating where it loses (K = 0): with it a server never runs
+# prompt lookup below target-only, by not running it. DFlash keeps its longest block at every
+# measured concurrency on this record.
+#
+# ## Answer
+
+# %%
+rows = [
+    ["live: DFlash batch steps, static vs continuous", f"{dflash_static} vs {dflash_cont}",
+     f"this run ({device_name(device)}, {REQUESTS} requests, {CONCURRENCY} at a time)"],
+]
+for c in (8, 32, 64):
+    rows.append([f"DFlash × target-only at concurrency {c}: continuous / static",
+                 f"{speedup('dflash', c, 'continuous'):.2f}x / {speedup('dflash', c, 'static'):.2f}x",
+                 f"record ({record['device']})" + (f", {note}" if note else "")])
+rows.append(["prompt lookup's schedule (batch ranges, K)", str(schedules["prompt_lookup"].schedule),
+             "recommended from the record"])
+viz.answer_table(["what", "value", "from"], rows, caption="Chapter 8's answer")
+
+# %% [markdown]
+# In words: DFlash's speed-up shrinks at batch mostly because a static batch runs until its slowest
+# sequence ends; serving the same requests continuously, as vLLM's scheduler does, recovers most of
+# the steps. What remains is the step itself (the bound) and the prefill each new request brings.
