@@ -12,6 +12,7 @@ and hands the result to a viz function. One module per chapter:
     kernels     chapter 5: fused_kernel_explorer, window_acceptance_explorer
     training    chapter 6: drafter_training_explorer
     verification chapter 7: verification_explorer
+    serving     chapter 8: straggler_explorer
 """
 
 from dflash_lab.widgets.common import CONTEXT_KV_DTYPES
@@ -23,6 +24,7 @@ from dflash_lab.widgets.kv_groups import kv_groups_explorer
 from dflash_lab.widgets.kernels import fused_kernel_explorer, window_acceptance_explorer
 from dflash_lab.widgets.training import drafter_training_explorer
 from dflash_lab.widgets.verification import verification_explorer
+from dflash_lab.widgets.serving import straggler_explorer
 
 __all__ = [
     "CONTEXT_KV_DTYPES",
@@ -33,4 +35,5 @@ __all__ = [
     "fused_kernel_explorer", "window_acceptance_explorer",
     "drafter_training_explorer",
     "verification_explorer",
+    "straggler_explorer",
 ]

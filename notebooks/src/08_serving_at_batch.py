@@ -28,7 +28,7 @@ import json
 
 import torch
 
-from dflash_lab import viz
+from dflash_lab import viz, widgets
 from dflash_lab.assets import default_device, heldout_prompts, load_default_pair, record_note
 from dflash_lab.measure.decoding import measurements_from_record
 from dflash_lab.measure.serving import request_stream
@@ -139,6 +139,13 @@ for c in sorted({r["batch"] for r in records}):
 rec32 = best("dflash", 32, "static")
 viz.straggler_figure(rec32["request_steps"], 32,
                      title=f"The record, DFlash block {rec32['block_size']}, static batches of 32")
+
+# %% [markdown]
+# Pick a method, a concurrency and a prompt set: the explorer redraws that static run's batches and
+# says how many batch steps each batching ran against the floor.
+
+# %%
+widgets.straggler_explorer(records)
 
 # %% [markdown]
 # ## 3. Which speculation per batch: vLLM 0.33's schedule
