@@ -25,7 +25,7 @@ backend never asks which method it runs. (vLLM: ``v1/spec_decode/dflash.py`` and
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import NamedTuple
 
 import torch
@@ -159,20 +159,28 @@ class DFlashSession:
         return Proposal(logits.argmax(-1), logits, block.tolist())
 
 
+class _Wrapper(Proposer):
+    """A proposer around one object (its first field): equal to another when both wrap the same object, so a
+    decoder cached per proposer is found again for the same drafter (never for an equal-looking copy)."""
+
+    def _wrapped(self):
+        return getattr(self, fields(self)[0].name)
+
+    def __eq__(self, other):
+        return type(other) is type(self) and other._wrapped() is self._wrapped()
+
+    def __hash__(self):
+        return hash((type(self), id(self._wrapped())))
+
+
 @dataclass(frozen=True, eq=False)  # one drafter, one proposer: equal when they hold the same drafter
-class DFlashProposer(Proposer):
+class DFlashProposer(_Wrapper):
     """A ``DFlashLagunaDrafter`` behind the interface."""
 
     drafter: DFlashLagunaDrafter
     kind = "dflash"
     drafts_from_model = True
     max_block_size = None  # vLLM runs any num_speculative_tokens for DFlash, above the trained block too
-
-    def __eq__(self, other):
-        return isinstance(other, DFlashProposer) and other.drafter is self.drafter
-
-    def __hash__(self):
-        return hash((DFlashProposer, id(self.drafter)))
 
     @property
     def block_size(self) -> int:
@@ -263,16 +271,10 @@ class NoDrafter(Proposer):
 
 
 @dataclass(frozen=True, eq=False)
-class CustomProposer(Proposer):
+class CustomProposer(_Wrapper):
     """Any object with ``propose(tokens, num_draft)`` (and optionally ``block_size`` / ``max_block_size``)."""
 
     proposer: object
-
-    def __eq__(self, other):
-        return isinstance(other, CustomProposer) and other.proposer is self.proposer
-
-    def __hash__(self):
-        return hash((CustomProposer, id(self.proposer)))
 
     @property
     def kind(self) -> str:
