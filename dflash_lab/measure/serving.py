@@ -25,9 +25,9 @@ from datetime import datetime, timezone
 
 import torch
 
-from ..spec_decode.fast.decoder import PHASES, FastDecoder
+from ..spec_decode.fast.decoder import FastDecoder
 from ..spec_decode.fast.serving import serve
-from .decoding import EXTRA_KEYS, phase_times, timing_record, whole_step_seconds
+from .decoding import EXTRA_KEYS, timing_record
 
 BATCHINGS = ("continuous", "static")
 CONCURRENCIES = (1, 8, 32, 64)  # the issue's and ``vllm bench serve``'s usual sweep
@@ -145,25 +145,3 @@ def best_blocks(records, batching: str = "continuous") -> dict:
         if k not in best or r["tokens_per_s"] > best[k]["tokens_per_s"]:
             best[k] = r
     return best
-
-
-def phases_at(target, drafters: dict, prompts, *, batch: int, block_size: int, max_new_tokens: int) -> dict:
-    """Milliseconds per step in each phase (draft, verify, append, accept; each its own graph) and of the whole
-    step's graph, on a static batch of the first ``batch`` prompts, for target-only and every drafter
-    ({method: drafter}). With target-only's, they bound a drafter's speed-up at this batch: tau x target-only
-    step / drafter step (prefill and the ragged end left out)."""
-    chunk = request_stream([torch.as_tensor(p).reshape(-1) for p in prompts], batch)  # cycled when fewer
-    capacity = max(int(p.shape[-1]) for p in chunk) + max_new_tokens
-    out = {}
-    for method, drafter, block in [("target_only", None, 1)] + [(m, d, block_size) for m, d in drafters.items()]:
-        dec = FastDecoder(target, drafter, batch=batch, block_size=block, capacity=capacity, cuda_graphs=True,
-                          phase_graphs=True)
-        phase_times(dec, chunk, max_new_tokens=max_new_tokens)  # warm-up: the prefill graph captured
-        t = phase_times(dec, chunk, max_new_tokens=max_new_tokens)
-        steps = max(t["steps"], 1)
-        out[method] = {"block_size": block, "batch": batch, "steps": t["steps"], "cuda_graphs": dec.cuda_graphs,
-                       **{f"{p}_ms_per_step": round(1e3 * t[f"{p}_s"] / steps, 4) for p in PHASES},
-                       "whole_step_ms": round(1e3 * whole_step_seconds(dec), 4),
-                       "prefill_ms": round(1e3 * t["prefill_s"], 4)}
-        del dec
-    return out

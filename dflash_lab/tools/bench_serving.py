@@ -6,7 +6,7 @@
 1. ``measure.serving``: a stream of ``--requests`` requests (each prompt set's prompts cycled) served at
    every concurrency by target-only, every drafter of the pair in use and prompt lookup at every block,
    continuously batched (vLLM's scheduler) and statically (a batch at a time), graphs on.
-2. The phases at every concurrency (``measure.serving.phases_at``): a step's draft / verify / append /
+2. The phases at every concurrency (``measure.decoding.phase_breakdown``): a step's draft / verify / append /
    accept, each its own graph, and the whole step, on a static batch of that many held-out prompts; the
    bound they give (tau x target step / drafter step).
 3. The schedule (``spec_decode.schedule``): from the continuous records, the ``num_speculative_tokens_
@@ -22,7 +22,8 @@ from pathlib import Path
 
 from ..assets import load_pair, pair_fingerprint
 from ..measure.decoding import PROMPT_SETS, drafter_methods, measurements_from_record
-from ..measure.serving import BATCHINGS, CONCURRENCIES, NUM_REQUESTS, best_blocks, measure_serving, phases_at
+from ..measure.decoding import phase_breakdown
+from ..measure.serving import BATCHINGS, CONCURRENCIES, NUM_REQUESTS, best_blocks, measure_serving, request_stream
 from ..runtime import device_name, resolve_device
 from ..spec_decode.schedule import SpeculationSchedule, recommend_schedule
 from .bench_common import OUT_HELP, pair_out_dir, write_results
@@ -136,8 +137,8 @@ def serving(args) -> int:
     if not args.no_phases:
         heldout = [p[0] for p in prompt_ids(tokenizer, "heldout", max(concurrencies), PROMPT_LENGTH, device)]
         for c in concurrencies:
-            result["phases"][str(c)] = phases_at(target, methods, heldout, batch=c, block_size=max(blocks),
-                                                 max_new_tokens=max_new)
+            result["phases"][str(c)] = phase_breakdown(target, drafters, request_stream(heldout, c), batch=c,
+                                                       block_size=max(blocks), max_new_tokens=max_new)
             print(f"  phases at batch {c}: " + ", ".join(f"{m} {p['whole_step_ms']} ms"
                                                        for m, p in result["phases"][str(c)].items()), flush=True)
             save()

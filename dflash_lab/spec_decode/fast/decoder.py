@@ -72,7 +72,7 @@ class FastDecoder:
         # a block above the trained one runs, as in vLLM (it never reads block_size)
         block_size = check_block_size(block_size, proposer) if proposer.proposes else 1
         self.method = proposer.kind
-        self.target, self.drafter, self.B, self.batch = target, drafter, block_size, batch
+        self.target, self.B, self.batch = target, block_size, batch
         p = first_parameter(target)
         self.device, self.dtype = p.device, p.dtype
         slack = 2 * block_size + 1  # frozen and overrunning steps write past the last kept position
