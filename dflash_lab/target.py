@@ -91,14 +91,15 @@ class TargetOutput:
 
 def target_forward(target: LagunaForCausalLM, input_ids: torch.Tensor, layer_ids, *, past_key_values=None,
                    use_cache: bool = True, position_ids: torch.Tensor | None = None,
-                   with_logits: bool = True) -> TargetOutput:
+                   with_logits: bool = True, attention_mask=None) -> TargetOutput:
     """One target forward that also captures the outputs of ``layer_ids``.
 
     The output of layer i is what transformers calls hidden_states[i + 1]; it
     is captured with forward hooks on the decoder layers so that the last
     layer's output is the raw residual stream, not the final-normed state.
     ``with_logits=False`` skips the LM head and returns the final-normed hidden
-    state instead (drafter training needs the logits at a few positions only).
+    state instead (drafter training needs the logits at a few positions only). ``attention_mask``: as
+    transformers takes it (a tree's verification passes {layer type: 4-D mask}).
     """
     layers = target.model.layers
     bad = [i for i in layer_ids if not 0 <= i < len(layers)]
@@ -112,7 +113,8 @@ def target_forward(target: LagunaForCausalLM, input_ids: torch.Tensor, layer_ids
              for i in layer_ids]
     try:
         run = target if with_logits else target.model
-        out = run(input_ids=input_ids, past_key_values=past_key_values, use_cache=use_cache, position_ids=position_ids)
+        out = run(input_ids=input_ids, past_key_values=past_key_values, use_cache=use_cache, position_ids=position_ids,
+                  attention_mask=attention_mask)
     finally:
         for h in hooks:
             h.remove()

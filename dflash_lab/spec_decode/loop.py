@@ -37,6 +37,7 @@ from ..target import target_forward
 from .proposers import DFlashContext, PromptLookupDrafter, check_block_size, resolve_drafter
 from .sampling import DRAFT_SAMPLE_METHODS, draft_distribution, logits_to_probs, make_verifier, sample
 from .stats import SpecDecodeStats
+from .tree import DraftTree, accept_path, build_draft_tree, check_budget, compact_cache, tree_attention_masks
 
 # ---------------------------------------------------------------------------
 # What a run returns
@@ -54,6 +55,9 @@ class SpecDecodeStep:
     # For a step-through (viz.step_through): what went in and what the target preferred.
     block_ids: list[int] = field(default_factory=list)  # the drafter's input [x_t, MASK x K] (DFlash only)
     target_argmax: list[int] = field(default_factory=list)  # target's top token after x_t, d_1 .. d_K (K+1)
+    # A tree step (``tree_budget``): the tree verified (one row), draft_ids are its accepted path's tokens
+    # and target_argmax has the target's choice after every tree index (N+1).
+    tree: DraftTree | None = field(default=None, repr=False)
 
 
 @dataclass
@@ -99,13 +103,24 @@ def crop_cache(cache: DynamicCache, length: int) -> None:
         cache.crop(-surplus)
 
 
-def verify_forward(target, input_ids: torch.Tensor, cache: DynamicCache, start: int, layer_ids: list[int]):
-    """The target over input_ids (1, n) at positions start .. start+n-1 -> (logits (n, V), aux (n, .) or None)."""
-    positions = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)[None]
+def verify_forward(target, input_ids: torch.Tensor, cache: DynamicCache, start: int, layer_ids: list[int],
+                   tree: DraftTree | None = None):
+    """The target over input_ids (1, n) at positions start .. start+n-1 -> (logits (n, V), aux (n, .) or None).
+
+    ``tree``: input_ids are [x_t, the tree's nodes], at positions start + depth under the tree's mask.
+    """
+    mask = None
+    if tree is None:
+        positions = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)[None]
+    else:
+        positions = start + tree.depths_with_root()
+        mask = tree_attention_masks(tree, start, target.config, first_parameter(target).dtype)
     if layer_ids:
-        out = target_forward(target, input_ids, layer_ids, past_key_values=cache, position_ids=positions)
+        out = target_forward(target, input_ids, layer_ids, past_key_values=cache, position_ids=positions,
+                             attention_mask=mask)
         return out.logits[0], out.aux_hidden[0]
-    out = target(input_ids=input_ids, past_key_values=cache, use_cache=True, position_ids=positions)
+    out = target(input_ids=input_ids, past_key_values=cache, use_cache=True, position_ids=positions,
+                 attention_mask=mask)
     return out.logits[0], None
 
 
@@ -219,7 +234,7 @@ def speculative_generate(target, drafter, input_ids, *, max_new_tokens: int, blo
                          stop_token_ids=None, draft_sample_method: str = "greedy",
                          rejection_sample_method: str = "standard", synthetic_acceptance_rates=None,
                          synthetic_acceptance_length=None, fly_window_size=None, fly_entropy_threshold: float = 0.3,
-                         fly_entropy_top_k: int = 3) -> SpecDecodeResult:
+                         fly_entropy_top_k: int = 3, tree_budget: int | None = None) -> SpecDecodeResult:
     """Generate with speculative decoding; the output is distributed exactly as the target's own.
 
     target: a ``LagunaForCausalLM``; its KV cache, embedding table and lm_head are used.
@@ -249,6 +264,10 @@ def speculative_generate(target, drafter, input_ids, *, max_new_tokens: int, blo
         min(6, block_size - 2), ``fly_entropy_threshold``, ``fly_entropy_top_k``) or
         "synthetic" (accept with ``synthetic_acceptance_rates``, one unconditional rate per
         draft position, or ``synthetic_acceptance_length``; lossy, for load tests).
+    tree_budget: DDTree (``tree.py``): instead of the block's chain, verify the ``tree_budget``
+        prefixes of highest path probability under the block's per-depth distributions, in one
+        target forward with a tree mask (DFlash drafters; its own lossless rule, so
+        rejection_sample_method stays "standard" and draft_sample_method "greedy").
     Generation also ends when the sequence reaches the target's
     max_position_embeddings.
     """
@@ -260,6 +279,13 @@ def speculative_generate(target, drafter, input_ids, *, max_new_tokens: int, blo
                              synthetic_acceptance_rates=synthetic_acceptance_rates,
                              synthetic_acceptance_length=synthetic_acceptance_length, fly_window_size=fly_window_size,
                              fly_entropy_threshold=fly_entropy_threshold, fly_entropy_top_k=fly_entropy_top_k)
+    if tree_budget is not None:
+        if drafter.kind != "dflash":
+            raise ValueError(f"tree_budget builds a tree from a DFlash block's distributions; drafter is {drafter.kind!r}")
+        if rejection_sample_method != "standard" or draft_sample_method != "greedy":
+            raise ValueError("a draft tree has its own lossless rule: leave rejection_sample_method 'standard' and "
+                             f"draft_sample_method 'greedy' (got {rejection_sample_method!r}, {draft_sample_method!r})")
+        tree_budget = check_budget(tree_budget, target.config.vocab_size)
     device, dtype = prompt.device, first_parameter(target).dtype
     greedy = temperature == 0
     to_probs = partial(logits_to_probs, temperature=temperature, top_k=top_k, top_p=top_p)  # the target's p
@@ -283,6 +309,7 @@ def speculative_generate(target, drafter, input_ids, *, max_new_tokens: int, blo
         to_probs=partial(draft_distribution, temperature=temperature), generator=generator))
     verify = _timed(stats, "target_time_s", device, partial(verify_forward, target, layer_ids=list(drafter.layer_ids)))
     extend = _timed(stats, "drafter_time_s", device, session.extend)  # the context append (DFlash: its K/V)
+    build_tree = _timed(stats, "drafter_time_s", device, partial(build_draft_tree, budget=tree_budget))
 
     def emit(new: list[int]) -> tuple[list[int], bool]:
         """Append tokens until a stop token or the length limit; say whether generation is done."""
@@ -308,29 +335,42 @@ def speculative_generate(target, drafter, input_ids, *, max_new_tokens: int, blo
         t = len(tokens) - 1  # position of x_t, the newest token; the target's cache holds 0 .. t-1
         num_draft = min(block_size - 1, max_pos - 1 - t)  # block positions stay below max_position_embeddings
 
-        # 1. Draft d_1 .. d_K.
+        # 1. Draft d_1 .. d_K (DDTree: the tree of the block's best prefixes).
         draft, draft_probs, proposal = propose(tokens, num_draft)  # (K,), (K, V) q or None
         num_draft = draft.shape[0]  # prompt lookup may find fewer, or none
+        tree = build_tree(proposal.logits) if tree_budget and num_draft else None
 
-        # 2. Verify [x_t, d_1 .. d_K] in ONE target forward.
-        block = torch.cat([torch.tensor([tokens[-1]], device=device), draft])[None]  # (1, K+1)
-        logits, aux = verify(block, cache, t)  # (K+1, V): positions t+1 .. t+K+1
+        # 2. Verify [x_t, d_1 .. d_K] (or [x_t, the tree's nodes]) in ONE target forward.
+        nodes = draft if tree is None else tree.token_ids[0]
+        block = torch.cat([torch.tensor([tokens[-1]], device=device), nodes])[None]  # (1, K+1)
+        logits, aux = verify(block, cache, t, tree=tree)  # (K+1, V): positions t+1 .. t+K+1
         stats.num_target_forwards += 1
 
-        # 3. Accept a prefix of the draft, then one token from the target.
-        n, next_token = verifier(draft, draft_probs, logits, to_probs, greedy=greedy, generator=generator)
-        if num_draft:
-            stats.observe_draft(num_draft, n)
-        draft_ids = draft.tolist()
+        # 3. Accept a prefix of the draft (a path of the tree), then one token from the target.
+        if tree is None:
+            n, next_token = verifier(draft, draft_probs, logits, to_probs, greedy=greedy, generator=generator)
+            if num_draft:
+                stats.observe_draft(num_draft, n)
+            draft_ids, path = draft.tolist(), list(range(n + 1))
+        else:
+            choice = logits.argmax(-1) if greedy else sample(to_probs(logits), generator)  # the target's rule
+            n, path, next_token = (x[0] for x in accept_path(tree, choice[None]))
+            n, next_token = int(n), int(next_token)
+            path = path[:n + 1].tolist()
+            stats.observe_draft(tree.num_nodes, n, depth=num_draft)
+            draft_ids = [int(tree.token_ids[0, i - 1]) for i in path[1:]]
         kept, done = emit(draft_ids[:n] + [next_token])
         steps.append(SpecDecodeStep(
             position=t + 1, draft_ids=draft_ids, num_accepted=n, token_ids=kept,
-            block_ids=proposal.block_ids, target_argmax=logits.argmax(-1).tolist()))
+            block_ids=proposal.block_ids, target_argmax=logits.argmax(-1).tolist(), tree=tree))
 
         # 4. Keep what was accepted: x_t and d_1 .. d_n are now part of the sequence.
-        crop_cache(cache, t + n + 1)
+        if tree is None:
+            crop_cache(cache, t + n + 1)
+        else:
+            compact_cache(cache, t, path)  # the path's K/V at the slots of positions t+1 .. t+n
         if not done:
-            extend(aux[: n + 1] if aux is not None else None)  # positions t .. t+n, nothing recomputed
+            extend(aux[path] if aux is not None else None)  # positions t .. t+n, nothing recomputed
 
     stats.num_generated_tokens = len(tokens) - T
     output = torch.tensor([tokens], dtype=torch.long, device=device)

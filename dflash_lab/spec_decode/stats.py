@@ -38,12 +38,16 @@ class SpecDecodeStats:
     # or "probabilistic" (sampled from q); None for greedy decoding, mixed runs or a /metrics page.
     draft_sample_method: str | None = None
 
-    def observe_draft(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
-        """Count one verified draft, exactly as vLLM's SpecDecodingStats.observe_draft does."""
-        if not 0 <= num_accepted_tokens <= num_draft_tokens:
+    def observe_draft(self, num_draft_tokens: int, num_accepted_tokens: int, depth: int | None = None) -> None:
+        """Count one verified draft, exactly as vLLM's SpecDecodingStats.observe_draft does.
+
+        ``depth``: a draft tree's (``tree.py``): its nodes are the draft tokens, its depths the positions.
+        """
+        depth = num_draft_tokens if depth is None else depth
+        if not 0 <= num_accepted_tokens <= min(num_draft_tokens, depth):
             raise ValueError(f"accepted {num_accepted_tokens} of {num_draft_tokens} draft tokens is impossible")
-        if len(self.num_accepted_tokens_per_pos) < num_draft_tokens:
-            self.num_accepted_tokens_per_pos += [0] * (num_draft_tokens - len(self.num_accepted_tokens_per_pos))
+        if len(self.num_accepted_tokens_per_pos) < depth:
+            self.num_accepted_tokens_per_pos += [0] * (depth - len(self.num_accepted_tokens_per_pos))
         self.num_drafts += 1
         self.num_draft_tokens += num_draft_tokens
         self.num_accepted_tokens += num_accepted_tokens
@@ -51,7 +55,7 @@ class SpecDecodeStats:
             self.num_accepted_tokens_per_pos[i] += 1
         self.acceptance_lengths.append(1 + num_accepted_tokens)
 
-    def observe_drafts(self, num_draft_tokens, num_accepted_tokens) -> None:
+    def observe_drafts(self, num_draft_tokens, num_accepted_tokens, depth: int | None = None) -> None:
         """``observe_draft`` for each pair of two equal-length sequences (lists or 1-D tensors), in order.
 
         How a backend that logs its drafts on the device (``fast.decoder``) hands them over.
@@ -61,7 +65,7 @@ class SpecDecodeStats:
         if len(drafted) != len(accepted):
             raise ValueError(f"{len(drafted)} draft sizes but {len(accepted)} accepted counts")
         for k, n in zip(drafted, accepted):
-            self.observe_draft(k, n)
+            self.observe_draft(k, n, depth)
 
     # --- what vLLM logs ------------------------------------------------------
     @property
