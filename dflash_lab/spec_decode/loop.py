@@ -285,7 +285,7 @@ def speculative_generate(target, drafter, input_ids, *, max_new_tokens: int, blo
         if rejection_sample_method != "standard" or draft_sample_method != "greedy":
             raise ValueError("a draft tree has its own lossless rule: leave rejection_sample_method 'standard' and "
                              f"draft_sample_method 'greedy' (got {rejection_sample_method!r}, {draft_sample_method!r})")
-        tree_budget = check_budget(tree_budget, target.config.vocab_size)
+        tree_budget = check_budget(tree_budget, target.config.vocab_size, block_size - 1)
     device, dtype = prompt.device, first_parameter(target).dtype
     greedy = temperature == 0
     to_probs = partial(logits_to_probs, temperature=temperature, top_k=top_k, top_p=top_p)  # the target's p

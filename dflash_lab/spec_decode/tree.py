@@ -40,9 +40,13 @@ import heapq
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from ..layers import additive_mask
 from ..runtime import is_int
+
+
+MAX_BUDGET = 1024  # the paper's largest; the build holds budget x min(budget, V) candidates per depth
 
 
 @dataclass
@@ -70,11 +74,13 @@ class DraftTree:
         return torch.cat([torch.zeros_like(self.parents[:, :1]), self.parents], dim=1)
 
 
-def check_budget(budget, vocab_size: int) -> int:
-    if not is_int(budget) or budget < 1:
-        raise ValueError(f"tree_budget must be an integer >= 1 (nodes per tree), got {budget!r}")
-    if budget > vocab_size:
-        raise ValueError(f"tree_budget {budget} is more than the vocabulary ({vocab_size} tokens)")
+def check_budget(budget, vocab_size: int, depth: int = 1) -> int:
+    """A node budget: an integer >= 1 that ``depth`` levels of a ``vocab_size`` vocabulary can fill."""
+    if not is_int(budget) or not 1 <= budget <= MAX_BUDGET:
+        raise ValueError(f"tree_budget must be an integer in 1 .. {MAX_BUDGET} (nodes per tree), got {budget!r}")
+    if budget > sum(vocab_size ** d for d in range(1, depth + 1)):
+        raise ValueError(f"tree_budget {budget} is more than the {depth}-deep prefixes of a {vocab_size}-token "
+                         "vocabulary")
     return int(budget)
 
 
@@ -94,18 +100,21 @@ def build_draft_tree(draft_logits: torch.Tensor, budget: int) -> DraftTree:
     if draft_logits.dim() == 2:
         draft_logits = draft_logits[None]
     b, K, V = draft_logits.shape
-    budget = check_budget(budget, V)
     if K < 1:
         raise ValueError("a draft tree needs at least one drafted depth (block_size >= 2)")
+    budget = check_budget(budget, V, K)
+    k = min(budget, V)  # candidates per depth
     log_q = torch.log_softmax(draft_logits.float(), dim=-1)
-    top_lp, top_ids = log_q.topk(budget, dim=-1)  # (b, K, budget), best first at every depth
-    weights, tokens, back = [top_lp[:, 0]], [top_ids[:, 0]], [torch.zeros_like(top_ids[:, 0])]
+    top_lp, top_ids = log_q.topk(k, dim=-1)  # (b, K, k), best first at every depth
+    pad = budget - k  # a vocabulary smaller than the budget: depth 1 has k prefixes, the rest are -inf
+    first_w = F.pad(top_lp[:, 0], (0, pad), value=float("-inf"))
+    weights, tokens, back = [first_w], [F.pad(top_ids[:, 0], (0, pad))], [torch.zeros_like(first_w, dtype=torch.long)]
     for d in range(1, K):  # the best ``budget`` prefixes of depth d + 1, from those of depth d
-        cand = (weights[-1][:, :, None] + top_lp[:, d, None, :]).flatten(1)  # (b, budget * budget)
+        cand = (weights[-1][:, :, None] + top_lp[:, d, None, :]).flatten(1)  # (b, budget * k)
         w, idx = _descending(cand, budget)
         weights.append(w)
-        back.append(idx // budget)  # the parent's beam
-        tokens.append(top_ids[:, d].gather(1, idx % budget))
+        back.append(idx // k)  # the parent's beam
+        tokens.append(top_ids[:, d].gather(1, idx % k))
     all_w = torch.stack(weights, 1)  # (b, K, budget)
     chosen_w, chosen = _descending(all_w.flatten(1), budget)  # depth-major: a parent's tie comes first
     depth0, beam = chosen // budget, chosen % budget  # 0-based depth and beam of each node
@@ -137,8 +146,9 @@ def best_first_tree(log_q: torch.Tensor, budget: int) -> list[tuple[int, int, in
     [(parent index, depth, token), ...] in the order popped. The reference ``build_draft_tree`` is
     tested against, and the chapter's step-through."""
     K, V = log_q.shape
-    budget = check_budget(budget, V)
-    top_lp, top_ids = (t.tolist() for t in log_q.float().topk(budget, dim=-1))
+    budget = check_budget(budget, V, K)
+    k = min(budget, V)
+    top_lp, top_ids = (t.tolist() for t in log_q.float().topk(k, dim=-1))
     heap = [(-top_lp[0][0], (0,), 0)]  # (-path log prob, ranks, parent index): the best child of the root
     nodes = []
     while heap and len(nodes) < budget:
@@ -146,7 +156,7 @@ def best_first_tree(log_q: torch.Tensor, budget: int) -> list[tuple[int, int, in
         depth, rank = len(ranks), ranks[-1]
         nodes.append((parent, depth, top_ids[depth - 1][rank]))
         here, w = len(nodes), -neg_w
-        if rank + 1 < budget:  # its next sibling
+        if rank + 1 < k:  # its next sibling
             sib = w - top_lp[depth - 1][rank] + top_lp[depth - 1][rank + 1]
             heapq.heappush(heap, (-sib, ranks[:-1] + (rank + 1,), parent))
         if depth < K:  # its first child
