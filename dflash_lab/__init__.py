@@ -15,7 +15,7 @@ also the layer order: a module imports only modules listed above it (tests/test_
     drafter      the DFlash drafter: combine_hidden_states, context K/V, one block through its layers
     checkpoint   save/load in vLLM's DFlashLagunaForCausalLM layout (safetensors)
     pair_files   a pair's files checked before anything loads: shards, the index, both configs, the fit
-    spec_decode  draft -> verify -> accept: proposers, accept rules, stats, /metrics, the loop; fast/ backend
+    spec_decode  draft -> verify -> accept: proposers, accept rules, draft trees, stats, /metrics, the loop; fast/
     kv_cache     vLLM's KV-cache specs, grouping of hybrid models, draft-group rules (#55390), memory
     vllm_engine  vLLM's own engine (CPU build, second virtualenv) on the same checkpoints
     viz          plotly figures from plain data

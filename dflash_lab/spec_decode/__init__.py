@@ -7,6 +7,8 @@ One file per step, in data-path order (like vLLM's ``v1/spec_decode/``):
     sampling   the accept rules, the one home of each: logits -> probabilities,
                batched greedy accept, rejection sampling, and vLLM's other
                rejection_sample_methods (block verification, FLy, synthetic)
+    tree       DDTree: a draft tree of one DFlash block's best prefixes, its tree-masked
+               verification, the accepted path and the cache compaction
     stats      ``SpecDecodeStats``: vLLM's acceptance counters (the only place they are kept)
     metrics    the same counters read from (and written as) a vLLM /metrics page
     acceptance one run reported every community's way (vLLM's τ and rates, conditional
@@ -44,6 +46,8 @@ _EXPORTS = {
     "REJECTION_SAMPLE_METHODS": "sampling", "block_verify": "sampling", "fly_accept": "sampling",
     "fly_entropy": "sampling", "synthetic_accept": "sampling", "make_verifier": "sampling", "Verifier": "sampling",
     "unconditional_to_conditional_rates": "sampling", "acceptance_length_to_rates": "sampling",
+    # draft trees
+    "DraftTree": "tree", "build_draft_tree": "tree", "best_first_tree": "tree", "accept_path": "tree",
     # stats and /metrics
     "SpecDecodeStats": "stats", "stats_from_prometheus_text": "metrics", "prometheus_text": "metrics",
     # loop

@@ -281,7 +281,8 @@ def speculative_generate(target, drafter, input_ids, *, max_new_tokens: int, blo
                              fly_entropy_threshold=fly_entropy_threshold, fly_entropy_top_k=fly_entropy_top_k)
     if tree_budget is not None:
         if drafter.kind != "dflash":
-            raise ValueError(f"tree_budget builds a tree from a DFlash block's distributions; drafter is {drafter.kind!r}")
+            raise ValueError("tree_budget builds a tree from a DFlash block's distributions; "
+                             f"drafter is {drafter.kind!r}")
         if rejection_sample_method != "standard" or draft_sample_method != "greedy":
             raise ValueError("a draft tree has its own lossless rule: leave rejection_sample_method 'standard' and "
                              f"draft_sample_method 'greedy' (got {rejection_sample_method!r}, {draft_sample_method!r})")

@@ -49,6 +49,8 @@ from ..proposers import check_block_size, resolve_drafter
 from ..sampling import greedy_accept_batch
 from .static_target import StaticTarget, round_up
 from ..stats import SpecDecodeStats
+from ..tree import check_budget
+from .tree_step import tree_step
 
 PHASES = ("draft", "verify", "append", "accept")  # the order of one step
 MAX_STOP_TOKENS = 8
@@ -67,15 +69,20 @@ class FastDecoder:
     """
 
     def __init__(self, target, drafter=None, *, batch: int, block_size: int, capacity: int, cuda_graphs: bool = True,
-                 moe: str = "auto", phase_graphs: bool = False, widths=()):
+                 moe: str = "auto", phase_graphs: bool = False, widths=(), tree_budget: int | None = None):
         self.proposer = proposer = resolve_drafter(drafter)
         # a block above the trained one runs, as in vLLM (it never reads block_size)
         block_size = check_block_size(block_size, proposer) if proposer.proposes else 1
+        if tree_budget is not None:  # DDTree: the step verifies a tree of the block's best prefixes (``_tree_step``)
+            if proposer.kind != "dflash" or phase_graphs or widths:  # a tree step is one graph per budget
+                raise ValueError(f"tree_budget needs a DFlash drafter, no phase_graphs nor widths: {proposer.kind!r}")
+            tree_budget = check_budget(tree_budget, target.config.vocab_size, block_size - 1)
+        self.tree_budget = tree_budget
         self.method = proposer.kind
         self.target, self.B, self.batch = target, block_size, batch
         p = first_parameter(target)
         self.device, self.dtype = p.device, p.dtype
-        slack = 2 * block_size + 1  # frozen and overrunning steps write past the last kept position
+        slack = 2 * block_size + 1 + (tree_budget or 0)  # frozen and overrunning steps (and trees) write past the end
         self.tgt = StaticTarget(target, batch=batch, capacity=capacity + slack, layer_ids=list(proposer.layer_ids),
                                 moe=moe)
         # the drafter on the device (DFlash), else the host-side proposer (prompt lookup, or any propose())
@@ -117,7 +124,7 @@ class FastDecoder:
         self._graphed = graphed
         self.prefills: dict[tuple[int, int], GraphedStep] = {}  # (rows, padded length) -> its prefill, on first use
         self.fill_buckets = sorted({1 << i for i in range(batch.bit_length()) if 1 << i < batch} | {batch})
-        self.step = graphed(self._step)
+        self.step = graphed(self._step if tree_budget is None else lambda: tree_step(self))
         # narrower steps a per-batch schedule switches to (``step_at``), captured now: capture resets the state
         if not all(is_int(w) and 1 <= w <= block_size for w in widths or ()):
             raise ValueError(f"widths must be step widths in 1 .. {block_size} (the block), got {widths!r}")
@@ -166,6 +173,8 @@ class FastDecoder:
     def _accept(self, width: int | None = None) -> None:
         width = width or self.B
         K = width - 1
+        verified = self.n_draft.clamp(max=K) if self.tree_budget is None else torch.full_like(self.n_draft,
+                                                                                                self.tree_budget)
         argmax, active = self.argmax[:, :width], self.active
         n, nxt = greedy_accept_batch(self.drafts[:, :K], argmax, self.n_draft)  # accepted drafts, next token
         # emitted: argmax[:, 0 .. n] at positions t+1 .. t+n+1 (stale entries past n are overwritten later)
@@ -175,7 +184,7 @@ class FastDecoder:
         new_pos = self.pos + n + 1
         drafted = active & (self.n_draft > 0) & (K > 0)  # a step that verified drafts (the others are no draft)
         col = torch.where(drafted, self.n_drafts, self.draft_log.shape[1] - 1)[:, None]
-        self.draft_log.scatter_(1, col, self.n_draft.clamp(max=K)[:, None])
+        self.draft_log.scatter_(1, col, verified[:, None])
         self.accepted_log.scatter_(1, col, n[:, None])
         self.n_steps += active
         self.n_drafts += drafted
@@ -405,7 +414,7 @@ class FastDecoder:
                     break
             stats = SpecDecodeStats(num_accepted_tokens_per_pos=[0] * (self.B - 1), num_generated_tokens=len(new),
                                     num_target_forwards=1 + steps[b])
-            stats.observe_drafts(draft_log[b][:drafts[b]], accepted_log[b][:drafts[b]])
+            stats.observe_drafts(draft_log[b][:drafts[b]], accepted_log[b][:drafts[b]], depth=self.B - 1)
             ids = torch.tensor([tokens[b][:T] + new], dtype=torch.long, device=self.device)
             out.append(SpecDecodeResult(ids, stats, [], T))
         return out

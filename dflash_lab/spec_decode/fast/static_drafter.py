@@ -55,9 +55,12 @@ class StaticDrafter:
             self.kv.k[:, :, :Q].index_copy_(1, rows, k)
             self.kv.v[:, :, :Q].index_copy_(1, rows, v)
 
-    def draft(self, last_token: torch.Tensor, start: torch.Tensor, block_size: int) -> torch.Tensor:
-        """Greedy drafts (B, block_size - 1) for blocks [last_token, MASK ...] at positions
-        start .. start+block_size-1."""
+    def draft_logits(self, last_token: torch.Tensor, start: torch.Tensor, block_size: int) -> torch.Tensor:
+        """(B, block_size - 1, V) logits of blocks [last_token, MASK ...] at positions start .. start+block_size-1:
+        position j predicts the token AT t+j (a draft tree is built from them)."""
         positions = start[:, None] + self.offsets[:block_size]  # (B, Q)
-        logits = self.drafter.block_logits(self.target, last_token[:, None], positions, kv=self.kv, ops=triton_ops)
-        return logits[:, 0].argmax(dim=-1)  # (B, Q-1): position j predicts the token AT t+j
+        return self.drafter.block_logits(self.target, last_token[:, None], positions, kv=self.kv, ops=triton_ops)[:, 0]
+
+    def draft(self, last_token: torch.Tensor, start: torch.Tensor, block_size: int) -> torch.Tensor:
+        """Greedy drafts (B, block_size - 1): the argmax of ``draft_logits``."""
+        return self.draft_logits(last_token, start, block_size).argmax(dim=-1)

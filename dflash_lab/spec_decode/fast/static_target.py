@@ -38,6 +38,7 @@ import torch.nn.functional as F
 
 from ...layers import additive_mask, gqa_attention, grouped_mask
 from . import triton_ops
+from ..tree import DraftTree, tree_visible
 from .moe import gathered_experts, kernel_runs
 
 MOE_IMPLEMENTATIONS = ("auto", "gathered", "grouped", "dense")
@@ -187,6 +188,15 @@ class StaticTarget:
             visible &= slots > pos - window
         return additive_mask(visible, self.dtype)
 
+    def move_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Every layer's K/V at slots src (B, M) copied to slots dst (B, M) (all read before any is written):
+        a verified tree's accepted path moved to the slots its positions own."""
+        for pair in self.cache:
+            for c in pair:
+                B, nkv, _, hd = c.shape
+                moved = c.gather(2, src[:, None, :, None].expand(B, nkv, -1, hd))
+                c.scatter_(2, dst[:, None, :, None].expand(B, nkv, -1, hd), moved)
+
     def _attention(self, lay: _Layer, i: int, x: torch.Tensor, cos, sin, positions, bias, rows=None) -> torch.Tensor:
         a = lay.attn
         B, Q, _ = x.shape
@@ -238,7 +248,7 @@ class StaticTarget:
 
     # --- the forward -------------------------------------------------------------
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, *, last_index: torch.Tensor | None = None,
-                rows: torch.Tensor | None = None):
+                rows: torch.Tensor | None = None, tree: DraftTree | None = None, start: torch.Tensor | None = None):
         """ids, positions (B, Q) -> (logits, aux).
 
         logits: (B, Q, V), or (B, V) at ``last_index`` (B,) when given (a prefill
@@ -246,19 +256,27 @@ class StaticTarget:
         of ``layer_ids`` (raw residual stream, as ``target_forward`` captures them),
         or None without layer_ids. ``rows`` (n,): a prefill of n sequences from position 0 (positions
         (n, Q) = 0 .. Q-1) into those cache rows, the other rows untouched; its cost is n rows', not the
-        batch's (a row listed twice must hold the same prompt twice).
+        batch's (a row listed twice must hold the same prompt twice). ``tree`` (a ``DraftTree``, ids
+        [x_t, its nodes]) with ``start`` (B,) the root's position: positions are start + depth, K/V go to
+        slots start .. start+N, and each node attends to the context and its ancestors (``tree_visible``).
         """
         m = self.model.model
         h = m.embed_tokens(ids)
         rope = {t: m.rotary_emb(h, positions, t) for t in set(self.layer_types)}  # (B, Q, rd) cos, sin
         slots = None if rows is None else self.slots[:ids.shape[1]]
-        masks = {lay.window: self._bias(positions, lay.window, slots) for lay in self.layers}
+        if tree is None:
+            masks = {lay.window: self._bias(positions, lay.window, slots) for lay in self.layers}
+            write_at = positions
+        else:
+            masks = {lay.window: additive_mask(tree_visible(tree, start, self.slots, lay.window), self.dtype)
+                     for lay in self.layers}
+            write_at = start[:, None] + self.slots[:ids.shape[1]]
         bias = {(lay.window, lay.groups): grouped_mask(masks[lay.window], lay.groups, *ids.shape)
                 for lay in self.layers}  # once per forward for every layer; per-layer head counts differ in groups
         captured = {}
         for i, lay in enumerate(self.layers):
             cos, sin = rope[lay.layer_type]
-            h = h + self._attention(lay, i, triton_ops.norm(lay.input_norm, h), cos, sin, positions,
+            h = h + self._attention(lay, i, triton_ops.norm(lay.input_norm, h), cos, sin, write_at,
                                     bias[lay.window, lay.groups], rows)
             h = h + self._mlp(lay, triton_ops.norm(lay.post_norm, h))
             if i in self.layer_ids:
