@@ -5,6 +5,8 @@
     the walk      a hand-made tree: the path follows the target's choices and stops where they leave it
     greedy        both shipped drafters, float32, several budgets: every token equals target.generate,
                   and the counters are a tree's (one draft per step, the budget in draft tokens)
+    fast path     the graphed tree step (one prompt, and a ragged batch) gives the eager loop's tokens and
+                  counters; on a GPU, graphed float32 equals target.generate (``gpu`` mark)
     sampling      the target's rule at each node: the first two emitted tokens are distributed as
                   the target's own (chi-square, against the exact two-token distribution)
 """
@@ -18,10 +20,8 @@ import pytest
 import torch
 
 from dflash_lab.assets import heldout_prompts, load_default_pair
-from dflash_lab.spec_decode import speculative_generate
+from dflash_lab.spec_decode import FastDecoder, speculative_generate
 from dflash_lab.spec_decode.tree import DraftTree, _ancestors, accept_path, best_first_tree, build_draft_tree
-
-from test_spec_decode import chi2_pvalue
 
 
 def prefixes(parents, tokens) -> list[tuple[int, ...]]:
@@ -148,6 +148,23 @@ def test_greedy_tree_decoding_is_target_only_for_both_shipped_drafters(shipped, 
     assert taus[48] > taus[8] > taus[1], taus  # more nodes, longer accepted paths
 
 
+@pytest.mark.parametrize("drafter", ["paper", "poolside"])
+def test_the_fast_paths_tree_step_gives_the_eager_loops_tokens_and_counters(shipped, drafter):
+    target, drafters, prompts, refs = shipped
+    budget = 24
+    eager = [speculative_generate(target, drafters[drafter], p, max_new_tokens=MAX_NEW, block_size=16,
+                                  tree_budget=budget) for p in prompts]
+    capacity = max(p.shape[0] for p in prompts) + MAX_NEW
+    batched = FastDecoder(target, drafters[drafter], batch=len(prompts), block_size=16, capacity=capacity,
+                          tree_budget=budget).generate(prompts, max_new_tokens=MAX_NEW)
+    one = FastDecoder(target, drafters[drafter], batch=1, block_size=16, capacity=capacity, tree_budget=budget)
+    for e, b, p, ref in zip(eager, batched, prompts, refs):
+        alone = one.generate([p], max_new_tokens=MAX_NEW)[0]
+        assert e.new_token_ids == b.new_token_ids == alone.new_token_ids == ref
+        for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_accepted_tokens_per_pos"):
+            assert getattr(e.stats, name) == getattr(b.stats, name) == getattr(alone.stats, name), name
+
+
 def test_a_tree_is_refused_where_it_has_no_meaning(shipped):
     target, drafters, prompts, _ = shipped
     with pytest.raises(ValueError, match="tree_budget builds a tree from a DFlash block"):
@@ -158,6 +175,28 @@ def test_a_tree_is_refused_where_it_has_no_meaning(shipped):
     for bad in (0, -3, 2.5, 10 ** 6):
         with pytest.raises(ValueError, match="tree_budget"):
             speculative_generate(target, drafters["paper"], prompts[0], max_new_tokens=4, tree_budget=bad)
+    with pytest.raises(ValueError, match="tree_budget needs a DFlash drafter"):
+        FastDecoder(target, "ngram", batch=1, block_size=8, capacity=64, tree_budget=8)
+    with pytest.raises(ValueError, match="tree_budget needs a DFlash drafter"):
+        FastDecoder(target, drafters["paper"], batch=1, block_size=8, capacity=64, tree_budget=8, widths=(4,))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_graphed_tree_steps_equal_generate_in_float32():
+    target, paper, tok = load_default_pair("cuda", dtype=torch.float32)
+    poolside = load_default_pair("cuda", dtype=torch.float32, drafter="poolside")[1]
+    prompts = [torch.tensor(tok(p["text"])["input_ids"][-96:], device="cuda") for p in heldout_prompts()[:6]]
+    refs = [target.generate(p[None], max_new_tokens=48, do_sample=False)[0, p.shape[0]:].tolist() for p in prompts]
+    for name, drafter in (("paper", paper), ("poolside", poolside)):
+        for budget in (16, 64):
+            dec = FastDecoder(target, drafter, batch=len(prompts), block_size=16, capacity=160, tree_budget=budget)
+            assert dec.cuda_graphs
+            got = dec.generate(prompts, max_new_tokens=48)
+            eager = [speculative_generate(target, drafter, p, max_new_tokens=48, tree_budget=budget, block_size=16)
+                     for p in prompts[:2]]
+            assert [r.new_token_ids for r in got] == refs, (name, budget)
+            assert [r.stats.num_accepted_tokens for r in got[:2]] == [e.stats.num_accepted_tokens for e in eager]
 
 
 # ---------------------------------------------------------------------------
@@ -188,6 +227,8 @@ def test_sampled_walks_emit_the_targets_distribution():
     if bool((n == 0).any()):  # y2 comes from the next step, which samples the target after y1 afresh
         after = torch.stack([table[(int(y),)] for y in first[n == 0]])
         second[n == 0] = torch.multinomial(after, 1, generator=g)[:, 0]
+    from test_spec_decode import chi2_pvalue  # scipy: not on every machine this file runs on
+
     exact = torch.stack([table[()][a] * table[(a,)][b] for a in range(V) for b in range(V)])
     assert chi2_pvalue((first * V + second).numpy(), exact.numpy()) > 1e-3
     assert float((n >= 1).float().mean()) > 0.2  # the walk did enter the tree

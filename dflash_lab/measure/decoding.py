@@ -48,7 +48,7 @@ from ..spec_decode.stats import SpecDecodeStats
 
 METHODS = ("target_only", "dflash", "dflash_poolside", "prompt_lookup")
 PROMPT_SETS = ("heldout", "docstring")  # assets.heldout_prompts, assets.docstring_prompts, in report order
-BACKENDS = ("static", "eager", "serving")
+BACKENDS = ("static", "eager", "serving", "tree")
 RECORD_KEYS = ("backend", "prompt_set", "method", "block_size", "batch", "tokens_per_s", "mean_acceptance_length",
                "tokens", "seconds", "target_forwards_per_token", "outputs_equal_target_only", "device", "dtype")
 EXTRA_KEYS = {"static": ("cuda_graphs", "batch_steps", "ms_per_batch_step", "setup_s", "moe", "measured",
@@ -56,7 +56,9 @@ EXTRA_KEYS = {"static": ("cuda_graphs", "batch_steps", "ms_per_batch_step", "set
               "eager": ("per_position_acceptance_rate", "target_ms_per_forward", "drafter_ms_per_step"),
               "serving": ("batching", "cuda_graphs", "batch_steps", "requests", "max_new_tokens", "request_throughput",
                           *(f"{s}_{m}_ms" for m in ("ttft", "tpot", "e2el") for s in ("mean", "median", "p99")),
-                          "request_steps", "static_batch_steps", "refill_at", "schedule", "moe", "measured")}
+                          "request_steps", "static_batch_steps", "refill_at", "schedule", "moe", "measured"),
+              "tree": ("path", "tree_budget", "accepted_per_node", "per_position_acceptance_rate", "cuda_graphs",
+                       "batch_steps", "ms_per_batch_step", "step_ms", "verify_ms", "moe", "measured")}
 
 
 def prompt_set_of(record: dict) -> str:
@@ -136,17 +138,7 @@ def measure_fast_decoding(target, drafters: dict, prompts, *, batches, block_siz
                 dec = FastDecoder(target, _proposer(method, drafters), batch=batch, block_size=block,
                                   capacity=capacity, cuda_graphs=cuda_graphs)
                 setup_s = synchronized_time(device) - t0
-                # Warm-up, untimed: every prompt once (each new prompt length costs one-off work: Triton
-                # specialisations, cuDNN attention plans), then a full-length generation (the step shapes).
-                for chunk in chunks:
-                    dec.generate(chunk, max_new_tokens=min(2, max_new_tokens))
-                dec.generate(chunks[0], max_new_tokens=max_new_tokens)
-                results, steps = [], 0
-                t0 = synchronized_time(device)
-                for chunk in chunks:
-                    results += dec.generate(chunk, max_new_tokens=max_new_tokens)
-                    steps += dec.host_steps
-                wall = synchronized_time(device) - t0
+                results, steps, wall = timed_generations(dec, chunks, max_new_tokens)
                 outputs[method, block, batch, cuda_graphs] = [r.new_token_ids for r in results]
                 rec = timing_record(
                     "static", method, block, batch=batch, stats=sum((r.stats for r in results), SpecDecodeStats()),
@@ -171,6 +163,21 @@ def measure_fast_decoding(target, drafters: dict, prompts, *, batches, block_siz
             if off is not None:
                 rec["outputs_equal_graphs_off"] = f"{sum(a == b for a, b in zip(on, off))}/{len(on)}"
     return records
+
+
+def timed_generations(dec: FastDecoder, chunks, max_new_tokens: int) -> tuple[list, int, float]:
+    """(results, batch steps, seconds) of ``dec`` generating every chunk of prompts, after an untimed warm-up:
+    every prompt once (each new prompt length costs one-off work: Triton specialisations, cuDNN attention
+    plans), then a full-length generation (the step shapes)."""
+    for chunk in chunks:
+        dec.generate(chunk, max_new_tokens=min(2, max_new_tokens))
+    dec.generate(chunks[0], max_new_tokens=max_new_tokens)
+    results, steps = [], 0
+    t0 = synchronized_time(dec.device)
+    for chunk in chunks:
+        results += dec.generate(chunk, max_new_tokens=max_new_tokens)
+        steps += dec.host_steps
+    return results, steps, synchronized_time(dec.device) - t0
 
 
 def measure_eager_loop(target, drafters: dict, prompts, *, block_sizes, max_new_tokens: int,

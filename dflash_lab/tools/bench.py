@@ -6,6 +6,7 @@
     python -m dflash_lab.tools.bench acceptance [--quick]   # acceptance of the shipped pair on the held-out prompts
     python -m dflash_lab.tools.bench drafters [--quick]     # both shipped drafters, two prompt sets, intervals
     python -m dflash_lab.tools.bench repetition [--quick]   # τ on repetitive vs non-repetitive continuations
+    python -m dflash_lab.tools.bench tree [--speed] [--quick]  # DDTree against the chain, per node budget
 
 Each benchmark is a module beside this one (bench_context_kv, bench_spec_decode,
 bench_acceptance) that registers its subcommand; what they share (timing,
@@ -20,14 +21,16 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import bench_acceptance, bench_context_kv, bench_drafters, bench_repetition, bench_serving, bench_spec_decode
+from . import (bench_acceptance, bench_context_kv, bench_drafters, bench_repetition, bench_serving, bench_spec_decode,
+               bench_tree)
 
-BENCHMARKS = (bench_context_kv, bench_spec_decode, bench_serving, bench_acceptance, bench_drafters, bench_repetition)
+BENCHMARKS = (bench_context_kv, bench_spec_decode, bench_serving, bench_acceptance, bench_drafters, bench_repetition,
+              bench_tree)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m dflash_lab.tools.bench", description=__doc__.split("\n\n")[0])
-    names = "context-kv,spec-decode,serve,acceptance,drafters,repetition"
+    names = "context-kv,spec-decode,serve,acceptance,drafters,repetition,tree"
     sub = parser.add_subparsers(dest="command", required=True, metavar="{" + names + "}")
     for benchmark in BENCHMARKS:
         benchmark.add_command(sub)

@@ -264,12 +264,12 @@ class StaticTarget:
         h = m.embed_tokens(ids)
         rope = {t: m.rotary_emb(h, positions, t) for t in set(self.layer_types)}  # (B, Q, rd) cos, sin
         slots = None if rows is None else self.slots[:ids.shape[1]]
+        windows = {lay.window for lay in self.layers}
         if tree is None:
-            masks = {lay.window: self._bias(positions, lay.window, slots) for lay in self.layers}
+            masks = {w: self._bias(positions, w, slots) for w in windows}
             write_at = positions
         else:
-            masks = {lay.window: additive_mask(tree_visible(tree, start, self.slots, lay.window), self.dtype)
-                     for lay in self.layers}
+            masks = {w: additive_mask(tree_visible(tree, start, self.slots, w), self.dtype) for w in windows}
             write_at = start[:, None] + self.slots[:ids.shape[1]]
         bias = {(lay.window, lay.groups): grouped_mask(masks[lay.window], lay.groups, *ids.shape)
                 for lay in self.layers}  # once per forward for every layer; per-layer head counts differ in groups
