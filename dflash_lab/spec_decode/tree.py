@@ -94,8 +94,8 @@ def build_draft_tree(draft_logits: torch.Tensor, budget: int) -> DraftTree:
     """The ``budget`` prefixes of highest path probability under the per-depth distributions of one block.
 
     draft_logits: (K, V) or (b, K, V), depth d = 1 .. K (the drafter's ``block_logits`` after x_t).
-    Fixed shapes, no host sync: it runs inside a captured step. Ties keep the heap's order where it
-    matters (a parent before its children, a lower rank before a higher one).
+    Fixed shapes, no host sync, two kernels per depth: it runs inside a captured step. Where weights tie
+    the set may differ from the heap's by equal-weight prefixes, but a parent always comes with its child.
     """
     if draft_logits.dim() == 2:
         draft_logits = draft_logits[None]
@@ -107,22 +107,25 @@ def build_draft_tree(draft_logits: torch.Tensor, budget: int) -> DraftTree:
     log_q = torch.log_softmax(draft_logits.float(), dim=-1)
     top_lp, top_ids = log_q.topk(k, dim=-1)  # (b, K, k), best first at every depth
     pad = budget - k  # a vocabulary smaller than the budget: depth 1 has k prefixes, the rest are -inf
-    first_w = F.pad(top_lp[:, 0], (0, pad), value=float("-inf"))
-    weights, tokens, back = [first_w], [F.pad(top_ids[:, 0], (0, pad))], [torch.zeros_like(first_w, dtype=torch.long)]
-    for d in range(1, K):  # the best ``budget`` prefixes of depth d + 1, from those of depth d
-        cand = (weights[-1][:, :, None] + top_lp[:, d, None, :]).flatten(1)  # (b, budget * k)
-        w, idx = _descending(cand, budget)
+    weights = [F.pad(top_lp[:, 0], (0, pad), value=float("-inf"))]
+    picks = [torch.arange(budget, device=log_q.device).expand(b, -1)]  # depth 1: beam j is the rank-j token
+    for d in range(1, K):  # the best ``budget`` prefixes of depth d + 1, from those of depth d: 2 kernels
+        w, idx = (weights[-1][:, :, None] + top_lp[:, d, None, :]).flatten(1).topk(budget, dim=-1)
         weights.append(w)
-        back.append(idx // k)  # the parent's beam
-        tokens.append(top_ids[:, d].gather(1, idx % k))
-    all_w = torch.stack(weights, 1)  # (b, K, budget)
-    chosen_w, chosen = _descending(all_w.flatten(1), budget)  # depth-major: a parent's tie comes first
-    depth0, beam = chosen // budget, chosen % budget  # 0-based depth and beam of each node
-    token_ids = torch.stack(tokens, 1).flatten(1).gather(1, chosen)
-    # each chosen (depth, beam) -> its verify index; the parent is (depth - 1, back[depth, beam])
+        picks.append(idx)  # parent beam * k + rank
+    # Equal weights inside a depth may come in any order (any of them is a best prefix); across depths the
+    # stable sort keeps depth-major order, so a parent whose child scores the same is chosen first.
+    chosen_w, chosen = _descending(torch.stack(weights, 1).flatten(1), budget)  # over (K, budget)
+    depth0 = chosen // budget  # 0-based depth of each node
+    pick = torch.stack(picks, 1).flatten(1).gather(1, chosen)
+    first = depth0 == 0
+    rank = torch.where(first, pick, pick % k)
+    token_ids = top_ids.flatten(1).gather(1, (depth0 * k + rank).clamp(max=K * k - 1))
+    token_ids = torch.where(first & (rank >= k), 0, token_ids)  # a padded depth-1 beam (never chosen)
+    # each chosen (depth, beam) -> its verify index; the parent is (depth - 1, its pick // k)
     index = torch.zeros(b, K * budget, dtype=torch.long, device=draft_logits.device)
     index.scatter_(1, chosen, torch.arange(1, budget + 1, device=index.device).expand(b, -1))
-    parent_beam = torch.stack(back, 1).flatten(1).gather(1, chosen)
+    parent_beam = pick // k
     parent_flat = ((depth0 - 1).clamp(min=0) * budget + parent_beam)
     parents = torch.where(depth0 > 0, index.gather(1, parent_flat), 0)
     tree = DraftTree(token_ids, parents, depth0 + 1, chosen_w, None, K)
@@ -169,24 +172,27 @@ def best_first_tree(log_q: torch.Tensor, budget: int) -> list[tuple[int, int, in
 # ---------------------------------------------------------------------------
 
 
-def tree_visible(tree: DraftTree, start: torch.Tensor, key_slots: torch.Tensor, window: int | None) -> torch.Tensor:
-    """(b, N+1, S) bool: which key slot each tree index attends to, for trees written at slots start .. start+N.
+def tree_visible(tree: DraftTree, start: torch.Tensor, key_slots: torch.Tensor, windows) -> dict:
+    """{window: (b, N+1, S) bool}: which key slot each tree index attends to, for trees written at slots
+    start .. start+N, under each of ``windows`` (None: full attention; else a sliding layer's, on positions).
 
     start: (b,) the root's position t (the context fills slots 0 .. t-1, slot == position). Slots below t
     are the context, slots t .. t+N the tree (a node sees its ancestors and itself), the rest nothing.
-    ``window``: a sliding layer's, on positions (a tree key's position is t + its depth).
+    A tree key's position is t + its depth.
     """
     b, n = tree.token_ids.shape[0], tree.num_nodes + 1
     rel = key_slots[None, :] - start[:, None]  # (b, S): the tree index a slot holds, if 0 <= rel <= N
     in_tree = (rel >= 0) & (rel < n)
-    idx = rel.clamp(0, n - 1)[:, None, :].expand(b, n, -1)
-    visible = (rel < 0)[:, None, :] | (in_tree[:, None, :] & tree.ancestors.gather(2, idx))
-    if window is not None:
+    idx = rel.clamp(0, n - 1)
+    visible = (rel < 0)[:, None, :] | (in_tree[:, None, :] & tree.ancestors.gather(2, idx[:, None, :].expand(b, n, -1)))
+    out = {}
+    if any(w is not None for w in windows):
         depth = tree.depths_with_root()
-        key_pos = torch.where(in_tree, start[:, None] + depth.gather(1, rel.clamp(0, n - 1)), key_slots[None, :])
-        query_pos = start[:, None] + depth  # (b, N+1)
-        visible &= key_pos[:, None, :] > query_pos[:, :, None] - window
-    return visible
+        key_pos = torch.where(in_tree, start[:, None] + depth.gather(1, idx), key_slots[None, :])
+        behind = (start[:, None] + depth)[:, :, None] - key_pos[:, None, :]  # (b, N+1, S) query - key position
+    for w in windows:
+        out[w] = visible if w is None else visible & (behind < w)
+    return out
 
 
 def tree_attention_masks(tree: DraftTree, start: int, config, dtype: torch.dtype) -> dict:
@@ -196,8 +202,8 @@ def tree_attention_masks(tree: DraftTree, start: int, config, dtype: torch.dtype
     slots = torch.arange(start + tree.num_nodes + 1, device=device)
     t = torch.tensor([start], device=device)
     windows = {"full_attention": None, "sliding_attention": getattr(config, "sliding_window", None)}
-    return {kind: additive_mask(tree_visible(tree, t, slots, windows[kind]), dtype)[:, None]
-            for kind in set(config.layer_types)}
+    visible = tree_visible(tree, t, slots, set(windows.values()))
+    return {kind: additive_mask(visible[windows[kind]], dtype)[:, None] for kind in set(config.layer_types)}
 
 
 def accept_path(tree: DraftTree, target_tokens: torch.Tensor, max_depth: torch.Tensor | None = None):

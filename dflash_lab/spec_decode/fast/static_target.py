@@ -269,7 +269,7 @@ class StaticTarget:
             masks = {w: self._bias(positions, w, slots) for w in windows}
             write_at = positions
         else:
-            masks = {w: additive_mask(tree_visible(tree, start, self.slots, w), self.dtype) for w in windows}
+            masks = {w: additive_mask(v, self.dtype) for w, v in tree_visible(tree, start, self.slots, windows).items()}
             write_at = start[:, None] + self.slots[:ids.shape[1]]
         bias = {(lay.window, lay.groups): grouped_mask(masks[lay.window], lay.groups, *ids.shape)
                 for lay in self.layers}  # once per forward for every layer; per-layer head counts differ in groups
