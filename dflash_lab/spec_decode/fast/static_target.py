@@ -174,8 +174,9 @@ class StaticTarget:
                        for layer, t in zip(target.model.layers, self.layer_types)]
         nkv, hd = cfg.num_key_value_heads, self.layers[0].attn.head_dim
         shape = (batch, nkv, self.capacity, hd)
-        self.cache = [(torch.zeros(shape, device=self.device, dtype=self.dtype),
-                       torch.zeros(shape, device=self.device, dtype=self.dtype)) for _ in self.layers]
+        # one buffer (L, 2, ...) viewed per layer: a tree's accepted path moves in one gather and one scatter
+        self.kv = torch.zeros((len(self.layers), 2, *shape), device=self.device, dtype=self.dtype)
+        self.cache = [(self.kv[i, 0], self.kv[i, 1]) for i in range(len(self.layers))]
         self.slots = torch.arange(self.capacity, device=self.device)
 
     # --- pieces ----------------------------------------------------------------
@@ -191,11 +192,9 @@ class StaticTarget:
     def move_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Every layer's K/V at slots src (B, M) copied to slots dst (B, M) (all read before any is written):
         a verified tree's accepted path moved to the slots its positions own."""
-        for pair in self.cache:
-            for c in pair:
-                B, nkv, _, hd = c.shape
-                moved = c.gather(2, src[:, None, :, None].expand(B, nkv, -1, hd))
-                c.scatter_(2, dst[:, None, :, None].expand(B, nkv, -1, hd), moved)
+        L, two, B, nkv, _, hd = self.kv.shape
+        moved = self.kv.gather(4, src[None, None, :, None, :, None].expand(L, two, B, nkv, -1, hd))
+        self.kv.scatter_(4, dst[None, None, :, None, :, None].expand(L, two, B, nkv, -1, hd), moved)
 
     def _attention(self, lay: _Layer, i: int, x: torch.Tensor, cos, sin, positions, bias, rows=None) -> torch.Tensor:
         a = lay.attn
