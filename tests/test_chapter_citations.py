@@ -1,4 +1,4 @@
-"""The vLLM source lines chapters 1, 2, 3 and 7 cite (`file.py:a-b`) exist in the installed vLLM 0.33,
+"""The vLLM source lines chapters 1, 2, 3, 7 and 9 cite (`file.py:a-b`) exist in the installed vLLM 0.33,
 and chapter 2's cite the code its text names there."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 
 SRC = Path(__file__).resolve().parents[1] / "notebooks" / "src"
 CHAPTERS = ["01_build_the_drafter.py", "02_context_kv_norms.py", "03_per_position_acceptance.py",
-            "07_verification_workbench.py"]
+            "07_verification_workbench.py", "09_draft_trees.py"]
 CITATION = re.compile(r"`([A-Za-z0-9_/]+\.py):(\d+(?:-\d+)?(?:, \d+(?:-\d+)?)*)`")
 
 

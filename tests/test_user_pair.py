@@ -307,11 +307,13 @@ def test_every_chapter_runs_on_the_users_pair(executed, path, user_pair):
     chapter = path.stem[:2]
     if chapter == "02":
         assert f"your pair: {user_pair['target']}" in text
-    if chapter == "03":  # the second drafter belongs to the shipped target: skipped, and said so
+    if chapter in ("03", "09"):  # the second drafter belongs to the shipped target: skipped, and said so
         assert "skipped:" in text and assets.DRAFTER2_ENV in text
     if chapter == "04":
         assert "Your pair (`target` + `drafter`)" in text
-    if chapter in ("05", "07", "08"):  # committed records are labelled as the shipped pair's
+    if chapter in ("05", "07", "08", "09"):  # committed records are labelled as the shipped pair's
         assert "the shipped pair's committed run, not your pair (target)" in text
     if chapter == "06":
         assert "is not checked on your pair" in text
+    if chapter == "09":  # the pair is named, and its one drafter's live run stays lossless
+        assert "your pair (target + drafter)" in text and "every run's tokens equal target-only's: ['4/4']" in text

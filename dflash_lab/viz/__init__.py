@@ -14,6 +14,7 @@ model outputs themselves; they draw what they are given.
     training_live  chapter 6: a drafter's loss and held-out acceptance while it trains
     verification  chapter 7: verification rules side by side (per-position rates, τ intervals)
     serving     chapter 8: the straggler effect, static against continuous batching, speed-up against concurrency
+    tree        chapter 9: one draft tree (DDTree), τ against the node budget, speed and verify cost per budget
 """
 
 from dflash_lab.viz.common import (METHOD_COLOR_NAMES, METHOD_COLORS, PALETTE, answer_table, html_table, method_color,
@@ -53,6 +54,8 @@ from dflash_lab.viz.speed import speedup_vs_tau_figure, step_time_figure  # noqa
 from dflash_lab.viz.training_live import drafter_comparison_figure, live_training_figure, update_live_training_figure
 from dflash_lab.viz.verification import tau_interval_figure, verification_rates_figure
 from dflash_lab.viz.serving import serving_speedup_figure, straggler_figure
+from dflash_lab.viz.tree import (draft_tree_figure, tau_vs_budget_figure, tree_data, tree_speed_figure, tree_speedups,
+                                 where_tree_stops_paying)
 
 __all__ = [
     "PALETTE", "METHOD_COLORS", "METHOD_COLOR_NAMES", "method_color", "save_figure",
@@ -70,4 +73,6 @@ __all__ = [
     "plot_training_log", "read_training_log",
     "drafter_comparison_figure", "live_training_figure", "update_live_training_figure",
     "tau_interval_figure", "verification_rates_figure",
+    "draft_tree_figure", "tau_vs_budget_figure", "tree_data", "tree_speed_figure", "tree_speedups",
+    "where_tree_stops_paying",
 ]

@@ -13,6 +13,7 @@ and hands the result to a viz function. One module per chapter:
     training    chapter 6: drafter_training_explorer
     verification chapter 7: verification_explorer
     serving     chapter 8: straggler_explorer
+    tree        chapter 9: draft_tree_explorer (and replay_block, one tree step again at other budgets)
 """
 
 from dflash_lab.widgets.common import CONTEXT_KV_DTYPES
@@ -25,6 +26,7 @@ from dflash_lab.widgets.kernels import fused_kernel_explorer, window_acceptance_
 from dflash_lab.widgets.training import drafter_training_explorer
 from dflash_lab.widgets.verification import verification_explorer
 from dflash_lab.widgets.serving import straggler_explorer
+from dflash_lab.widgets.tree import draft_tree_explorer, replay_block
 
 __all__ = [
     "CONTEXT_KV_DTYPES",
@@ -36,4 +38,5 @@ __all__ = [
     "drafter_training_explorer",
     "verification_explorer",
     "straggler_explorer",
+    "draft_tree_explorer", "replay_block",
 ]
