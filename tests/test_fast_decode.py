@@ -418,3 +418,21 @@ def test_serving_records_are_the_timing_records_with_vllm_bench_serves_latencies
                            "prompt_sets": ["heldout"], "records": records, "phases": {}})
     rows = [line for line in md.splitlines() if line.startswith("| 2 | static |")]
     assert len(rows) == 3 and "| 1.00x |" in next(r for r in rows if "target_only" in r)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_served_streams_read_one_step_behind_and_stay_exact():
+    """On CUDA ``serve`` reads the rows' state one step behind (the copy runs beside the next step): every
+    request served continuously, in ragged lengths, is still target.generate's, float32."""
+    from dflash_lab.spec_decode.fast.serving import serve
+
+    target, drafter, prompts = _gpu_pair(torch.float32)
+    stream = prompts * 3  # 18 requests at concurrency 4
+    limits = [16 + 7 * (i % 5) for i in range(len(stream))]
+    expected = [target.generate(p[None], max_new_tokens=n, do_sample=False, eos_token_id=None,
+                                pad_token_id=0)[0, p.shape[0]:].tolist() for p, n in zip(stream, limits)]
+    for proposer, block in ((drafter, 16), (None, 1)):
+        dec = FastDecoder(target, proposer, batch=4, block_size=block, capacity=200)
+        run = serve(dec, stream, max_new_tokens=limits, refill_at=2)
+        assert [r.result.new_token_ids for r in run.requests] == expected, block

@@ -162,12 +162,13 @@ def serve(decoder: FastDecoder, prompts, *, max_new_tokens, stop_token_ids=(), p
         if host and not stale:
             seqs.update(decoder.host_rows(batch))
 
+    peek = _Peek(decoder)  # on CUDA: the state one step behind, read while the next step runs
     admit(range(min(decoder.batch, len(waiting))))
     while running:
         if host and not stale:
             finished = [b for b in running if b not in seqs]
         else:
-            active, remaining = torch.stack([decoder.active.long(), decoder.limit - decoder.pos]).tolist()
+            active, remaining = peek.read()  # a burst's last step may still run: remaining is then an upper bound
             finished = [b for b in running if not active[b]]
         if finished:
             results = decoder.results(finished)  # one read-back (a sync) for all of them
@@ -188,10 +189,13 @@ def serve(decoder: FastDecoder, prompts, *, max_new_tokens, stop_token_ids=(), p
             if host and not stale:  # coming from host drafting: how far each row still has to go
                 remaining = (decoder.limit - decoder.pos).tolist()
             stale = host
-            k = max(1, math.ceil(min(remaining[b] for b in running) / width))
+            # the state read may miss the last step launched: up to ``peek.lag`` tokens a row
+            k = max(1, math.ceil((min(remaining[b] for b in running) - peek.lag) / width))
             step = decoder.step_at(width)
-            for _ in range(k):
+            for _ in range(k - 1):
                 step()
+            peek.launch(width)  # the state after k - 1 steps, copied back while the k-th runs
+            step()
         steps += k
         widths[width] = widths.get(width, 0) + k
     seconds = clock.host(sync=True)
@@ -199,6 +203,42 @@ def serve(decoder: FastDecoder, prompts, *, max_new_tokens, stop_token_ids=(), p
                        for i, b, result, finished in done), key=lambda r: r.index)
     return ServeRun(policy, decoder.batch, requests, seconds, steps, fills,
                     sum((r.result.stats for r in requests), SpecDecodeStats()), widths)
+
+
+class _Peek:
+    """Each row's (active, tokens left) for the host's next decision.
+
+    Off CUDA, and after anything but a burst, ``read`` synchronises and is exact. On CUDA a burst calls
+    ``launch`` before its last step: the copy goes back while that step runs, so the device never idles on
+    the host's decision (vLLM's async scheduling reads its outputs one step late the same way). The state
+    is then one step behind: a row it shows inactive is done, and a live row has at most ``remaining``
+    tokens left and at least ``remaining - lag`` (the missed step's width).
+    """
+
+    def __init__(self, decoder: FastDecoder):
+        self.decoder, self.pending, self.lag = decoder, 0, 0  # pending: the width of the step the copy misses
+        cuda = decoder.device.type == "cuda"
+        self.buf = torch.zeros((2, decoder.batch), dtype=torch.long, pin_memory=cuda)
+        self.event = torch.cuda.Event() if cuda else None
+
+    def _state(self) -> torch.Tensor:
+        d = self.decoder
+        return torch.stack([d.active.long(), d.limit - d.pos])
+
+    def launch(self, width: int) -> None:
+        """Copy the state back now; the caller launches one more step of ``width`` right after."""
+        if self.event is not None:
+            self.buf.copy_(self._state(), non_blocking=True)
+            self.event.record()
+            self.pending = width
+
+    def read(self) -> tuple[list[int], list[int]]:
+        """(active, tokens left) per row; ``lag`` says by how many tokens a row may have moved since."""
+        self.lag, self.pending = self.pending, 0
+        if self.lag:
+            self.event.synchronize()
+            return self.buf.tolist()
+        return self._state().tolist()
 
 
 class _Clock:
