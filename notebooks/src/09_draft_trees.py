@@ -219,6 +219,29 @@ else:
               f"{v['best_speedup']:.2f}x; " + (f"below the chain from N={below}" if below else
                                               "every budget above the chain"))
 
+# %% [markdown]
+# Where a tree step's time goes, against the chain's step on the same record: the verify forward's
+# growth (`N + 1` tokens instead of 16), and the rest, the tree's own kernels (the build, its mask,
+# the walk, moving the accepted path's K/V). The tree pays once its step costs less than the chain's
+# step times τ_tree / τ_chain; the last column is what the tree would give if its own kernels were
+# free (only the wider verify paid).
+
+# %%
+if speed is not None:
+    by = {(r["method"], r["tree_budget"]): r for r in speed["records"]
+          if r["batch"] == batch and r["prompt_set"] == speed["prompt_sets"][0]}
+    chain_rec = by[("dflash", None)]
+    print(f"dflash, {speed['prompt_sets'][0]} prompts, batch {batch}: the chain's step {chain_rec['step_ms']:.3f} ms "
+          f"(verify {chain_rec['verify_ms']:.3f}), τ {chain_rec['mean_acceptance_length']:.2f}")
+    for n in speed["budgets"]:
+        t = by[("dflash", n)]
+        wider = t["verify_ms"] - chain_rec["verify_ms"]
+        own = t["step_ms"] - chain_rec["step_ms"] - wider
+        gain = t["mean_acceptance_length"] / chain_rec["mean_acceptance_length"]
+        print(f"  N={n:>3}: step {t['step_ms']:.3f} ms = chain + verify {wider:+.3f} + the tree's own kernels "
+              f"{own:+.3f}; pays below {chain_rec['step_ms'] * gain:.3f} ms; with its own kernels free "
+              f"{gain * chain_rec['step_ms'] / (chain_rec['step_ms'] + wider):.2f}x the chain")
+
 # %%
 if speed is not None:
     display_fig = viz.tree_speed_figure(speed["records"], batch=batch, title=f"Speed-up and verify forward against "
