@@ -13,7 +13,9 @@ forward are the chain's.
              host). Here the same set is found with fixed shapes on the device: a beam of
              ``budget`` prefixes per depth (a prefix in the best ``budget`` of its depth has
              its parent in the best ``budget`` of the depth before, since a parent scores at
-             least as much as its children), then the ``budget`` best of all depths.
+             least as much as its children), then the ``budget`` best of all depths. Only
+             extensions (beam i, rank j) with (i + 1)(j + 1) <= budget can make a beam (that
+             many score at least as much), about budget * ln(budget) of budget^2.
              Nodes come out best first, so a parent always precedes its children.
     verify   one target forward over [x_t, nodes] with tree positions (t + depth) and a
              tree attention mask (a node sees the context and its own ancestors), its
@@ -108,16 +110,22 @@ def build_draft_tree(draft_logits: torch.Tensor, budget: int) -> DraftTree:
     top_lp, top_ids = log_q.topk(k, dim=-1)  # (b, K, k), best first at every depth
     pad = budget - k  # a vocabulary smaller than the budget: depth 1 has k prefixes, the rest are -inf
     weights = [F.pad(top_lp[:, 0], (0, pad), value=float("-inf"))]
-    picks = [torch.arange(budget, device=log_q.device).expand(b, -1)]  # depth 1: beam j is the rank-j token
-    for d in range(1, K):  # the best ``budget`` prefixes of depth d + 1, from those of depth d: 2 kernels
-        w, idx = (weights[-1][:, :, None] + top_lp[:, d, None, :]).flatten(1).topk(budget, dim=-1)
+    beam, rank = _pairs(budget, k, log_q.device)  # the (beam, rank) extensions that can be among the best
+    ext_lp = top_lp[:, 1:].gather(2, rank.expand(b, K - 1, -1))  # (b, K-1, C)
+    found = []
+    for d in range(1, K):  # the best ``budget`` prefixes of depth d + 1, from those of depth d: 3 kernels
+        w, idx = (weights[-1].gather(1, beam.expand(b, -1)) + ext_lp[:, d - 1]).topk(budget, dim=-1)
         weights.append(w)
-        picks.append(idx)  # parent beam * k + rank
+        found.append(idx)
+    picks = [torch.arange(budget, device=log_q.device).expand(b, 1, -1)]  # depth 1: beam j is the rank-j token
+    if found:
+        idx = torch.stack(found, 1)  # (b, K-1, budget) into the extensions
+        picks.append(beam[idx] * k + rank[idx])  # parent beam * k + rank
     # Equal weights inside a depth may come in any order (any of them is a best prefix); across depths the
     # stable sort keeps depth-major order, so a parent whose child scores the same is chosen first.
     chosen_w, chosen = _descending(torch.stack(weights, 1).flatten(1), budget)  # over (K, budget)
     depth0 = chosen // budget  # 0-based depth of each node
-    pick = torch.stack(picks, 1).flatten(1).gather(1, chosen)
+    pick = torch.cat(picks, 1).flatten(1).gather(1, chosen)
     first = depth0 == 0
     rank = torch.where(first, pick, pick % k)
     token_ids = top_ids.flatten(1).gather(1, (depth0 * k + rank).clamp(max=K * k - 1))
@@ -131,6 +139,20 @@ def build_draft_tree(draft_logits: torch.Tensor, budget: int) -> DraftTree:
     tree = DraftTree(token_ids, parents, depth0 + 1, chosen_w, None, K)
     tree.ancestors = _ancestors(tree.parents_with_root(), K)
     return tree
+
+
+_PAIRS: dict = {}
+
+
+def _pairs(budget: int, k: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(beam, rank) of every extension of a sorted beam by a sorted depth that can rank in the best ``budget``:
+    (beam + 1) * (rank + 1) <= budget, since that many extensions score at least as much as it. About
+    budget * ln(budget) of budget * k (cached per device: a captured step reads them, never builds them)."""
+    key = (budget, k, str(device))
+    if key not in _PAIRS:
+        pairs = [(i, j) for i in range(budget) for j in range(min(k, budget // (i + 1)))]
+        _PAIRS[key] = tuple(torch.tensor(x, dtype=torch.long, device=device) for x in zip(*pairs))
+    return _PAIRS[key]
 
 
 def _ancestors(parents: torch.Tensor, depth: int) -> torch.Tensor:
