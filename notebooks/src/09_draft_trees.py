@@ -231,7 +231,8 @@ if speed is not None:
     by = {(r["method"], r["tree_budget"]): r for r in speed["records"]
           if r["batch"] == batch and r["prompt_set"] == speed["prompt_sets"][0]}
     chain_rec = by[("dflash", None)]
-    print(f"dflash, {speed['prompt_sets'][0]} prompts, batch {batch}: the chain's step {chain_rec['step_ms']:.3f} ms "
+    print(f"dflash, {speed['prompt_sets'][0]} prompts, batch {batch}, block {speed['block_size']}, "
+          f"{speed['max_new_tokens']} new tokens: the chain's step {chain_rec['step_ms']:.3f} ms "
           f"(verify {chain_rec['verify_ms']:.3f}), τ {chain_rec['mean_acceptance_length']:.2f}")
     for n in speed["budgets"]:
         t = by[("dflash", n)]
