@@ -423,8 +423,8 @@ def test_serving_records_are_the_timing_records_with_vllm_bench_serves_latencies
 @pytest.mark.gpu
 @needs_cuda
 def test_gpu_served_streams_read_one_step_behind_and_stay_exact():
-    """On CUDA ``serve`` reads the rows' state one step behind (the copy runs beside the next step): every
-    request served continuously, in ragged lengths, is still target.generate's, float32."""
+    """On CUDA ``serve(read_behind=True)`` reads the rows' state one step behind (the copy runs beside the
+    next step): every request served continuously, in ragged lengths, is still target.generate's, float32."""
     from dflash_lab.spec_decode.fast.serving import serve
 
     target, drafter, prompts = _gpu_pair(torch.float32)
@@ -434,5 +434,6 @@ def test_gpu_served_streams_read_one_step_behind_and_stay_exact():
                                 pad_token_id=0)[0, p.shape[0]:].tolist() for p, n in zip(stream, limits)]
     for proposer, block in ((drafter, 16), (None, 1)):
         dec = FastDecoder(target, proposer, batch=4, block_size=block, capacity=200)
-        run = serve(dec, stream, max_new_tokens=limits, refill_at=2)
-        assert [r.result.new_token_ids for r in run.requests] == expected, block
+        for behind in (True, False):
+            run = serve(dec, stream, max_new_tokens=limits, refill_at=2, read_behind=behind)
+            assert [r.result.new_token_ids for r in run.requests] == expected, (block, behind)

@@ -56,7 +56,8 @@ EXTRA_KEYS = {"static": ("cuda_graphs", "batch_steps", "ms_per_batch_step", "set
               "eager": ("per_position_acceptance_rate", "target_ms_per_forward", "drafter_ms_per_step"),
               "serving": ("batching", "cuda_graphs", "batch_steps", "requests", "max_new_tokens", "request_throughput",
                           *(f"{s}_{m}_ms" for m in ("ttft", "tpot", "e2el") for s in ("mean", "median", "p99")),
-                          "request_steps", "static_batch_steps", "refill_at", "schedule", "moe", "measured"),
+                          "request_steps", "static_batch_steps", "refill_at", "read_behind", "schedule", "moe",
+                          "measured"),
               "tree": ("path", "tree_budget", "accepted_per_node", "per_position_acceptance_rate", "cuda_graphs",
                        "batch_steps", "ms_per_batch_step", "step_ms", "verify_ms", "moe", "measured")}
 

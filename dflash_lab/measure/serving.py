@@ -66,12 +66,13 @@ def serving_methods(drafters: dict, block_sizes) -> list[tuple[str, object, int]
 def measure_serving(target, drafters: dict, prompts, *, concurrencies=CONCURRENCIES, block_sizes=(16,),
                     batchings=BATCHINGS, num_requests: int = NUM_REQUESTS, max_new_tokens: int,
                     prompt_set: str = "heldout", cuda_graphs: bool = True, refill_at=None, schedules=None,
-                    progress=print, on_record=None) -> list[dict]:
+                    read_behind: bool = False, progress=print, on_record=None) -> list[dict]:
     """Serve a stream of ``num_requests`` (``prompts`` cycled) at every concurrency, for target-only, every
     drafter ({method: drafter}) and prompt lookup at every block size, under each batching; see the module
     docstring. ``refill_at``: continuous batching refills once this many rows are free (a function of the
-    concurrency, or None: 1, vLLM's rule; ``serving.serve``). ``schedules``: {method: SpeculationSchedule}:
-    that method also runs continuously at the schedule's K per running batch (its record's ``schedule``)."""
+    concurrency, or None: 1, vLLM's rule; ``serving.serve``), and ``read_behind`` as there. ``schedules``:
+    {method: SpeculationSchedule}: that method also runs continuously at the schedule's K per running batch
+    (its record's ``schedule``)."""
     unknown = set(batchings) - set(BATCHINGS)
     if unknown:
         raise ValueError(f"batchings must be among {BATCHINGS}, got {sorted(unknown)}")
@@ -102,7 +103,7 @@ def measure_serving(target, drafters: dict, prompts, *, concurrencies=CONCURRENC
                                     prompt_set=prompt_set, batching=batching, cuda_graphs=dec.cuda_graphs,
                                     max_new_tokens=max_new_tokens, request_steps=steps,
                                     static_batch_steps=static_batch_steps(steps, c) if batching == "static" else None,
-                                    refill_at=at, moe=dec.tgt.moe, measured=measured,
+                                    refill_at=at, read_behind=read_behind, moe=dec.tgt.moe, measured=measured,
                                     schedule=[list(r) for r in schedule.ranges] if schedule else None,
                                     **{k: m[k] for k in EXTRA_KEYS["serving"] if k in m})
                 records.append(rec)

@@ -30,7 +30,8 @@ from .bench_common import OUT_HELP, pair_out_dir, write_results
 from .bench_spec_decode import PROMPT_LENGTH, prompt_ids
 
 STEM = "spec_decode_serving"
-FLAGS_RECORDED = ("concurrency", "block_sizes", "requests", "prompt_set", "batching", "refill_at", "schedule_from")
+FLAGS_RECORDED = ("concurrency", "block_sizes", "requests", "prompt_set", "batching", "refill_at", "schedule_from",
+                  "read_behind")
 
 
 def serving_markdown(result: dict) -> str:
@@ -108,7 +109,8 @@ def serving(args) -> int:
     sets = list(PROMPT_SETS) if args.prompt_set == "both" else [args.prompt_set]
     target, drafters, tokenizer = load_pair(device)
     methods = drafter_methods(drafters)
-    flags = " ".join(f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
+    value = lambda v: "" if v is True else f" {' '.join(map(str, v)) if isinstance(v, list) else v}"  # noqa: E731
+    flags = " ".join(f"--{k.replace('_', '-')}{value(v)}"
                      for k, v in vars(args).items()
                      if k in FLAGS_RECORDED and v)
     result = {"command": f"python -m dflash_lab.tools.bench serve{' --quick' if quick else ''} {flags}".strip(),
@@ -128,7 +130,7 @@ def serving(args) -> int:
         done += measure_serving(target, methods, prompts, concurrencies=concurrencies, block_sizes=blocks,
                                 num_requests=requests, max_new_tokens=max_new, prompt_set=s,
                                 batchings=BATCHINGS if args.batching == "both" else (args.batching,),
-                                refill_at=parse_refill_at(args.refill_at),
+                                refill_at=parse_refill_at(args.refill_at), read_behind=args.read_behind,
                                 schedules=schedules_from(args.schedule_from, s, list(methods) + ["prompt_lookup"],
                                                          max(concurrencies)),
                                 progress=lambda line: print(line, flush=True), on_record=on_record)
@@ -163,6 +165,8 @@ def add_command(subparsers) -> None:
                                            "also runs at the per-batch schedule recommended from its continuous rows")
     p.add_argument("--refill-at", help="continuous batching refills once N rows are free: N, or c/N for the "
                                        "concurrency over N (default 1, vLLM's rule)")
+    p.add_argument("--read-behind", action="store_true", help="CUDA: read the rows' state one step behind, as "
+                                                              "vLLM's async scheduling does (serving.serve)")
     p.add_argument("--device", default=None)
     p.add_argument("--out", default=None, help=OUT_HELP)
     p.set_defaults(func=serving)

@@ -101,7 +101,7 @@ class ServeRun:
 
 @torch.no_grad()
 def serve(decoder: FastDecoder, prompts, *, max_new_tokens, stop_token_ids=(), policy: str = "continuous",
-          schedule=None, refill_at: int = 1) -> ServeRun:
+          schedule=None, refill_at: int = 1, read_behind: bool = False) -> ServeRun:
     """Serve ``prompts`` (each (T,) or (1, T)) at concurrency ``decoder.batch``; see the module docstring.
 
     ``max_new_tokens``: one for every request, or one per request (a list as long as ``prompts``).
@@ -162,7 +162,7 @@ def serve(decoder: FastDecoder, prompts, *, max_new_tokens, stop_token_ids=(), p
         if host and not stale:
             seqs.update(decoder.host_rows(batch))
 
-    peek = _Peek(decoder)  # on CUDA: the state one step behind, read while the next step runs
+    peek = _Peek(decoder, read_behind)  # on CUDA: the state one step behind, read while the next step runs
     admit(range(min(decoder.batch, len(waiting))))
     while running:
         if host and not stale:
@@ -208,16 +208,17 @@ def serve(decoder: FastDecoder, prompts, *, max_new_tokens, stop_token_ids=(), p
 class _Peek:
     """Each row's (active, tokens left) for the host's next decision.
 
-    Off CUDA, and after anything but a burst, ``read`` synchronises and is exact. On CUDA a burst calls
-    ``launch`` before its last step: the copy goes back while that step runs, so the device never idles on
-    the host's decision (vLLM's async scheduling reads its outputs one step late the same way). The state
+    Off CUDA, without ``behind``, and after anything but a burst, ``read`` synchronises and is exact. On
+    CUDA with ``behind`` a burst calls ``launch`` before its last step: the copy goes back while that step
+    runs, so the device never idles on the host's decision (vLLM's async scheduling reads its outputs one
+    step late the same way). The state
     is then one step behind: a row it shows inactive is done, and a live row has at most ``remaining``
     tokens left and at least ``remaining - lag`` (the missed step's width).
     """
 
-    def __init__(self, decoder: FastDecoder):
+    def __init__(self, decoder: FastDecoder, behind: bool = True):
         self.decoder, self.pending, self.lag = decoder, 0, 0  # pending: the width of the step the copy misses
-        cuda = decoder.device.type == "cuda"
+        cuda = decoder.device.type == "cuda" and behind
         self.buf = torch.zeros((2, decoder.batch), dtype=torch.long, pin_memory=cuda)
         self.event = torch.cuda.Event() if cuda else None
 
