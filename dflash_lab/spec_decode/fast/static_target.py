@@ -11,8 +11,11 @@ the same computation, written so that it can be captured and replayed:
                  next block before any query can see them (queries see slots <= own
                  position, and every such slot was written by an accepted token or
                  by this block)
-    masks        from the positions tensor on the device: causal, plus the sliding
-                 window on sliding layers
+    attention    on CUDA one kernel a layer (``attention.gated_attention``): which slots a
+                 query sees computed from its position (causal, the sliding window, a
+                 tree's ancestors), only those slots read, the softplus gate applied.
+                 Elsewhere (or ``fused_attention=False``) masks from the positions tensor
+                 on the device, cuDNN's or torch's SDPA over every slot, then the gate
     MoE          "auto": on CUDA in bf16/fp16, only the chosen experts' weights are read
                  (``moe.gathered_experts``: pairs sorted by expert into blocks, one Triton
                  GEMM per projection), up to ``GROUPED_FROM_PAIRS`` (token, expert) pairs;
@@ -37,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from ...layers import additive_mask, gqa_attention, grouped_mask
-from . import triton_ops
+from . import attention, triton_ops
 from ..tree import DraftTree, tree_visible
 from .moe import gathered_experts, kernel_runs
 
@@ -160,8 +163,10 @@ class StaticTarget:
     and the outputs of ``layer_ids`` (the drafter's aux hidden states).
     """
 
-    def __init__(self, target, *, batch: int, capacity: int, layer_ids=(), moe: str = "auto"):
+    def __init__(self, target, *, batch: int, capacity: int, layer_ids=(), moe: str = "auto",
+                 fused_attention: bool = True):
         cfg = target.config
+        self.fused_attention = fused_attention  # attention.gated_attention where it runs (CUDA), else masks + SDPA
         p = next(target.parameters())
         self.model, self.config, self.device, self.dtype = target, cfg, p.device, p.dtype
         self.batch, self.capacity = batch, round_up(capacity, 16)  # fused attention kernels like 16-aligned masks
@@ -196,7 +201,8 @@ class StaticTarget:
         moved = self.kv.gather(4, src[None, None, :, None, :, None].expand(L, two, B, nkv, -1, hd))
         self.kv.scatter_(4, dst[None, None, :, None, :, None].expand(L, two, B, nkv, -1, hd), moved)
 
-    def _attention(self, lay: _Layer, i: int, x: torch.Tensor, cos, sin, positions, bias, rows=None) -> torch.Tensor:
+    def _attention(self, lay: _Layer, i: int, x: torch.Tensor, cos, sin, positions, bias, rows=None,
+                   fused=None) -> torch.Tensor:
         a = lay.attn
         B, Q, _ = x.shape
         q, k, v, g = F.linear(x, lay.w_in, lay.b_in).split(lay.split, dim=-1)
@@ -210,6 +216,11 @@ class StaticTarget:
             cache_k, cache_v = k.transpose(1, 2), v.view(B, Q, -1, a.head_dim).transpose(1, 2)  # (B, nkv, Q, hd)
             self.cache[i][0][:, :, :Q].index_copy_(0, rows, cache_k)
             self.cache[i][1][:, :, :Q].index_copy_(0, rows, cache_v)
+        if fused is not None:  # (query positions, tree start, ancestors): one kernel, gate included
+            qpos, start, ancestors = fused
+            return a.o_proj(attention.gated_attention(q, cache_k, cache_v, g, qpos, a.scaling, window=lay.window,
+                                                      per_head=a.gate_per_head, tree_start=start,
+                                                      ancestors=ancestors))
         out = gqa_attention(q, cache_k, cache_v, bias, a.scaling)  # (B, Q, H*hd)
         gate = F.softplus(g.float()).to(out.dtype)
         if a.gate_per_head:
@@ -264,19 +275,24 @@ class StaticTarget:
         rope = {t: m.rotary_emb(h, positions, t) for t in set(self.layer_types)}  # (B, Q, rd) cos, sin
         slots = None if rows is None else self.slots[:ids.shape[1]]
         windows = {lay.window for lay in self.layers}
-        if tree is None:
-            masks = {w: self._bias(positions, w, slots) for w in windows}
-            write_at = positions
+        write_at = positions if tree is None else start[:, None] + self.slots[:ids.shape[1]]
+        fused, bias = None, {}
+        if self.fused_attention and attention.usable(h):  # visibility computed in the kernel: no masks
+            fused = (positions, None, None) if tree is None else \
+                (start[:, None] + tree.depths_with_root(), start, tree.ancestors)
         else:
-            masks = {w: additive_mask(v, self.dtype) for w, v in tree_visible(tree, start, self.slots, windows).items()}
-            write_at = start[:, None] + self.slots[:ids.shape[1]]
-        bias = {(lay.window, lay.groups): grouped_mask(masks[lay.window], lay.groups, *ids.shape)
-                for lay in self.layers}  # once per forward for every layer; per-layer head counts differ in groups
+            if tree is None:
+                masks = {w: self._bias(positions, w, slots) for w in windows}
+            else:
+                masks = {w: additive_mask(v, self.dtype)
+                         for w, v in tree_visible(tree, start, self.slots, windows).items()}
+            bias = {(lay.window, lay.groups): grouped_mask(masks[lay.window], lay.groups, *ids.shape)
+                    for lay in self.layers}  # once per forward for every layer; per-layer head counts differ
         captured = {}
         for i, lay in enumerate(self.layers):
             cos, sin = rope[lay.layer_type]
             h = h + self._attention(lay, i, triton_ops.norm(lay.input_norm, h), cos, sin, write_at,
-                                    bias[lay.window, lay.groups], rows)
+                                    bias.get((lay.window, lay.groups)), rows, fused)
             h = h + self._mlp(lay, triton_ops.norm(lay.post_norm, h))
             if i in self.layer_ids:
                 captured[i] = h

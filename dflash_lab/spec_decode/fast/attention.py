@@ -1,0 +1,170 @@
+"""One kernel for the static path's attention: visibility from positions, online softmax, Laguna's gate.
+
+The torch path (``layers.gqa_attention``) attends every query to every slot of the cache through an
+additive mask: the forward first builds a (B, g*Q, capacity) mask per window, then cuDNN's SDPA reads
+the whole capacity, then two more kernels apply softplus(g) to the output. Here one launch per layer
+does all of it, and reads only the slots a query can see:
+
+    gated_attention(q, k, v, gate, qpos, scale, window=None, per_head=True)         the chain
+    gated_attention(..., tree_start=start, ancestors=tree.ancestors)               a draft tree
+
+q (B, Q, H, hd); k, v (B, nkv, S, hd) (the cache, or a prefill's own keys; any strides); gate (B, Q, H)
+(``per_head``) or (B, Q, H*hd), pre-activation; qpos (B, Q) each query's position. The output is
+(B, Q, H*hd): softplus(gate) * softmax(q k^T * scale + mask) v, with the torch path's roundings
+(the attention output and the gate each rounded to the input dtype, then their product).
+
+Which slots a query sees is the torch path's rule, computed in the kernel from qpos instead of read
+from a mask (slot == position in the static cache):
+
+    chain   slot s <= qpos, and qpos - s < window on a sliding layer
+    tree    (``StaticTarget.forward(tree=...)``: the tree's Q = N + 1 indices sit at slots start .. start+N,
+            tree index i at position qpos[b, i] = start + depth) slots below start as a chain query, tree
+            slot start + j when ancestors[b, i, j], and within the window on positions
+
+A program takes one (row, KV head, block of g*Q query rows): the g query heads that share a KV head
+are folded into the rows (as ``gqa_attention`` folds them), so K/V are read once per KV head. It walks
+only the slot blocks between the lowest slot any of its queries sees (the window) and the highest.
+The exponentials run in float32; float32 inputs multiply in IEEE float32 (no TF32).
+
+Off CUDA (and without Triton) ``usable`` is False and the static path keeps the torch route; Triton's
+interpreter (TRITON_INTERPRET=1) runs this kernel on the CPU, which is how CI checks it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import triton_ops
+
+try:  # Triton is a GPU-side extra
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the machine
+    triton = None
+
+BLOCK_N = 32  # key slots per iteration
+
+
+def usable(q: torch.Tensor) -> bool:
+    """Whether ``gated_attention`` runs for these queries (CUDA, or Triton's interpreter; the fused switch on)."""
+    return triton_ops.enabled(q) and q.dtype in (torch.float32, torch.float16, torch.bfloat16)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _gated_attention_kernel(
+        q_ptr, k_ptr, v_ptr, g_ptr, out_ptr, qpos_ptr, start_ptr, anc_ptr,
+        sq_b, sq_q, sq_h, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sg_b, sg_q, so_b, so_q, sa_b, sa_i,
+        NKV, Q, S, window, scale,
+        G: tl.constexpr, HD: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        HAS_WINDOW: tl.constexpr, TREE: tl.constexpr, PER_HEAD: tl.constexpr, IEEE: tl.constexpr,
+    ):
+        b = tl.program_id(0) // NKV
+        kvh = tl.program_id(0) % NKV
+        r = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)  # folded rows: query qi, group member gi
+        qi, gi = r // G, r % G
+        row_ok = qi < Q
+        head = kvh * G + gi
+        d = tl.arange(0, BLOCK_D)
+        d_ok = d < HD
+        q = tl.load(q_ptr + b * sq_b + qi[:, None] * sq_q + head[:, None] * sq_h + d[None, :],
+                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        qpos = tl.load(qpos_ptr + b * Q + qi, mask=row_ok, other=0)
+        if TREE:
+            start = tl.load(start_ptr + b)
+            hi = start + Q
+        else:
+            start = 0
+            hi = tl.max(tl.where(row_ok, qpos, 0), axis=0) + 1
+        lo = 0
+        if HAS_WINDOW:
+            lo = tl.maximum(tl.min(tl.where(row_ok, qpos, 2147483647), axis=0) - window + 1, 0)
+            lo = (lo // BLOCK_N) * BLOCK_N
+        hi = tl.minimum(hi, S)
+        m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+        l_i = tl.zeros((BLOCK_M,), tl.float32)
+        acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+        k_base = k_ptr + b * sk_b + kvh * sk_h
+        v_base = v_ptr + b * sv_b + kvh * sv_h
+        for s0 in range(lo, hi, BLOCK_N):
+            s = s0 + tl.arange(0, BLOCK_N)
+            s_ok = s < hi
+            k = tl.load(k_base + s[:, None] * sk_s + d[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+            if IEEE:
+                scores = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                scores = tl.dot(q, tl.trans(k))
+            scores = scores * scale
+            if TREE:
+                rel = s - start
+                in_tree = (rel >= 0) & s_ok
+                anc = tl.load(anc_ptr + b * sa_b + qi[:, None] * sa_i + rel[None, :],
+                              mask=row_ok[:, None] & in_tree[None, :], other=0)
+                visible = ((rel < 0)[None, :] | (anc != 0)) & s_ok[None, :]
+                kpos = tl.where(in_tree, tl.load(qpos_ptr + b * Q + rel, mask=in_tree, other=0), s)
+            else:
+                visible = (s[None, :] <= qpos[:, None]) & s_ok[None, :]
+                kpos = s
+            if HAS_WINDOW:
+                visible = visible & ((qpos[:, None] - kpos[None, :]) < window)
+            scores = tl.where(visible, scores, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
+            p = tl.exp(scores - m_safe[:, None])
+            alpha = tl.exp(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(v_base + s[:, None] * sv_s + d[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        dt = out_ptr.dtype.element_ty
+        out = (acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]).to(dt).to(tl.float32)  # SDPA's output, rounded
+        if PER_HEAD:
+            g = tl.load(g_ptr + b * sg_b + qi * sg_q + head, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+        else:
+            g = tl.load(g_ptr + b * sg_b + qi[:, None] * sg_q + head[:, None] * HD + d[None, :],
+                        mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+        e = tl.exp(tl.minimum(g, 20.0))
+        gate = tl.where(g > 20.0, g, tl.where(e < 1e-4, e - 0.5 * e * e, tl.log(1.0 + e)))  # softplus (log1p)
+        out = out * gate.to(dt).to(tl.float32)
+        tl.store(out_ptr + b * so_b + qi[:, None] * so_q + head[:, None] * HD + d[None, :], out.to(dt),
+                 mask=row_ok[:, None] & d_ok[None, :])
+
+
+def gated_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor, qpos: torch.Tensor,
+                    scale: float, *, window: int | None = None, per_head: bool = True,
+                    tree_start: torch.Tensor | None = None, ancestors: torch.Tensor | None = None) -> torch.Tensor:
+    """softplus(gate) * attention of q (B, Q, H, hd) over k/v (B, nkv, S, hd) -> (B, Q, H*hd); see the module
+    docstring. A tree passes ``tree_start`` (B,) and ``ancestors`` (B, Q, Q) bool."""
+    B, Q, H, hd = q.shape
+    nkv, S = k.shape[1], k.shape[2]
+    tree = tree_start is not None
+    if H % nkv or k.shape != v.shape[:3] + (hd,) or k.shape[0] != B or qpos.shape != (B, Q):
+        raise ValueError(f"gated_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, "
+                         f"qpos {tuple(qpos.shape)} do not fit (B, Q, H, hd) / (B, nkv, S, hd) / (B, Q)")
+    if tree != (ancestors is not None) or (tree and ancestors.shape != (B, Q, Q)):
+        raise ValueError("a tree needs tree_start (B,) and ancestors (B, Q, Q) together")
+    if gate.shape != (B, Q, H if per_head else H * hd):
+        raise ValueError(f"gate {tuple(gate.shape)} is not (B, Q, {'H' if per_head else 'H*hd'})")
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1 or gate.stride(-1) != 1:
+        raise ValueError("q, k, v and gate need a contiguous last dimension")
+    G = H // nkv
+    out = torch.empty((B, Q, H * hd), device=q.device, dtype=q.dtype)
+    qpos = qpos.to(torch.int32).contiguous()
+    start = tree_start.to(torch.int32).contiguous() if tree else qpos
+    anc = ancestors.contiguous().view(torch.uint8) if tree else qpos
+    block_m = max(16, min(64, triton.next_power_of_2(G * Q)))
+    grid = (B * nkv, triton.cdiv(G * Q, block_m))
+    _gated_attention_kernel[grid](
+        q, k, v, gate, out, qpos, start, anc,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), gate.stride(0), gate.stride(1), out.stride(0), out.stride(1),
+        anc.stride(0) if tree else 0, anc.stride(1) if tree else 0,
+        nkv, Q, S, window or 0, float(scale),
+        G=G, HD=hd, BLOCK_D=triton.next_power_of_2(hd), BLOCK_M=block_m, BLOCK_N=BLOCK_N,
+        HAS_WINDOW=window is not None, TREE=tree, PER_HEAD=per_head, IEEE=q.dtype == torch.float32,
+    )
+    return out

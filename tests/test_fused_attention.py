@@ -1,0 +1,181 @@
+"""The static path's attention kernel (``spec_decode.fast.attention``) against the torch route it replaces.
+
+The kernel source runs in Triton's CPU interpreter (a subprocess with TRITON_INTERPRET=1, as in
+test_kernels.py): every visibility rule (causal, sliding window, a prefill's own keys, a draft tree with
+its window on positions), grouped heads, both gate layouts, head sizes that are not powers of two, in float32
+(bfloat16 on the GPU only: the interpreter's bfloat16 tl.dot is wrong); then a whole ``StaticTarget``
+at Laguna-XS.2's layer pattern with the kernel on and off.
+On a GPU the compiled kernel is checked the same way (marked ``gpu``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+try:
+    import triton
+except ImportError:  # pragma: no cover
+    triton = None
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+CASES = r"""
+import torch
+import torch.nn.functional as F
+from dflash_lab.layers import additive_mask, gqa_attention
+from dflash_lab.spec_decode.fast.attention import gated_attention
+from dflash_lab.spec_decode.tree import build_draft_tree, tree_visible
+
+
+def torch_route(q, k, v, gate, qpos, scale, window, per_head, tree=None, start=None):
+    B, Q, H, hd = q.shape
+    slots = torch.arange(k.shape[2], device=q.device)
+    if tree is None:
+        visible = slots <= qpos[:, :, None]
+        if window is not None:
+            visible &= slots > qpos[:, :, None] - window
+    else:
+        visible = tree_visible(tree, start, slots, [window])[window]
+    out = gqa_attention(q, k, v, additive_mask(visible, q.dtype), scale)
+    g = F.softplus(gate.float()).to(out.dtype)
+    return (out.view(B, Q, H, hd) * g[..., None]).view(B, Q, -1) if per_head else out * g
+
+
+def case(name, B, Q, H, nkv, hd, S, qpos, window, per_head, dtype, tree=None, start=None, prefill=False, seed=0):
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen).to(DEVICE, dtype)
+    q = r(B, Q, H, hd)
+    if prefill:  # a prefill's own keys: (B, Q, nkv, hd) viewed as (B, nkv, Q, hd), not contiguous
+        k, v = r(B, Q, nkv, hd).transpose(1, 2), r(B, Q, nkv, hd).transpose(1, 2)
+    else:
+        k, v = r(B, nkv, S, hd), r(B, nkv, S, hd)
+    gate = r(B, Q, H if per_head else H * hd) * 3
+    qpos = qpos.to(DEVICE)
+    ref = torch_route(q, k, v, gate, qpos, hd ** -0.5, window, per_head, tree, start)
+    out = gated_attention(q, k, v, gate, qpos, hd ** -0.5, window=window, per_head=per_head,
+                          tree_start=start, ancestors=None if tree is None else tree.ancestors)
+    err = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+    return name, err
+
+
+def run_cases(with_bf16=True):
+    f32, bf16 = torch.float32, torch.bfloat16
+    ar = lambda n: torch.arange(n)
+    tree_logits = torch.randn(2, 5, 7, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    tree = build_draft_tree(tree_logits, 12)
+    start = torch.tensor([20, 50], device=DEVICE)
+    tree_pos = start[:, None] + tree.depths_with_root()
+    out = [
+        case("decode", 3, 1, 4, 2, 64, 80, torch.tensor([[5], [40], [79]]), None, True, f32),
+        case("decode window", 3, 1, 4, 2, 64, 80, torch.tensor([[5], [40], [79]]), 16, True, f32),
+        case("block ragged window, 6 groups, hd 48, gate per channel", 2, 16, 12, 2, 48, 96,
+             torch.stack([10 + ar(16), 70 + ar(16)]), 24, False, f32),
+        case("prefill own keys, window", 2, 40, 4, 2, 64, 40, torch.stack([ar(40), ar(40)]), 8, True, f32,
+             prefill=True),
+        case("tree", 2, 13, 4, 2, 64, 96, tree_pos, None, True, f32, tree=tree, start=start),
+        case("tree, window 3 on positions", 2, 13, 4, 2, 64, 96, tree_pos, 3, True, f32, tree=tree, start=start),
+    ]
+    if with_bf16:  # Triton's interpreter multiplies bfloat16 tiles wrongly (tl.dot): the GPU test only
+        out += [case("block bfloat16 window", 2, 16, 8, 1, 128, 64, torch.stack([3 + ar(16), 40 + ar(16)]), 20,
+                     True, bf16),
+                case("tree bfloat16", 2, 13, 8, 2, 128, 96, tree_pos, 16, True, bf16, tree=tree, start=start)]
+    return out
+"""
+
+INTERPRETER = CASES + r"""
+import json
+DEVICE = "cpu"
+print(json.dumps(run_cases(with_bf16=False)))
+"""
+
+STATIC_TARGET = r"""
+import json
+import torch
+from transformers import LagunaForCausalLM
+from dflash_lab.presets import laguna_xs_2_config
+from dflash_lab.spec_decode.fast.static_target import StaticTarget
+from dflash_lab.spec_decode.tree import build_draft_tree
+
+torch.manual_seed(0)
+cfg = laguna_xs_2_config(num_hidden_layers=4, vocab_size=64, hidden_size=64, intermediate_size=96, head_dim=16,
+                         num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+                         moe_intermediate_size=16, shared_expert_intermediate_size=16, sliding_window=6,
+                         num_attention_heads_per_layer=[4, 8, 8, 8])
+model = LagunaForCausalLM(cfg).eval()
+prompt = torch.randint(0, 64, (2, 24))
+out = {}
+with torch.no_grad():
+    logits = {}
+    for fused in (True, False):
+        st = StaticTarget(model, batch=2, capacity=64, fused_attention=fused)
+        pos = torch.arange(24).expand(2, -1)
+        a, _ = st.forward(prompt, pos)
+        block = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(1))
+        b, _ = st.forward(block, torch.stack([24 + torch.arange(5), 24 + torch.arange(5)]))
+        tree = build_draft_tree(torch.randn(2, 4, 64, generator=torch.Generator().manual_seed(2)), 9)
+        ids = torch.cat([block[:, :1], tree.token_ids], dim=1)
+        start = torch.tensor([29, 29])
+        c, _ = st.forward(ids, start[:, None] + tree.depths_with_root(), tree=tree, start=start)
+        logits[fused] = (a, b, c)
+    for name, x, y in zip(("prefill", "block", "tree"), logits[True], logits[False]):
+        out[name] = ((x - y).abs().max() / y.abs().max()).item()
+print(json.dumps(out))
+"""
+
+
+def _interpret(script: str, tmp_path) -> object:
+    path = tmp_path / "script.py"
+    path.write_text(script)
+    env = dict(os.environ, TRITON_INTERPRET="1", DFLASH_LAB_FUSED="1")
+    proc = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, env=env, timeout=600,
+                          cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(triton is None, reason="needs Triton")
+def test_the_kernel_sees_what_the_masks_show_in_the_interpreter(tmp_path):
+    errs = dict(_interpret(INTERPRETER, tmp_path))
+    assert len(errs) == 6, errs
+    for name, err in errs.items():
+        assert err < (2e-2 if "bfloat16" in name else 2e-6), (name, err)
+
+
+@pytest.mark.skipif(triton is None, reason="needs Triton")
+def test_a_static_target_with_the_kernel_gives_the_masks_logits(tmp_path):
+    """Laguna-XS.2's layer pattern (dense first layer, 1 full : 3 sliding, per-layer heads): a prefill, a block
+    and a tree, float32, kernel on against kernel off."""
+    errs = _interpret(STATIC_TARGET, tmp_path)
+    assert set(errs) == {"prefill", "block", "tree"}
+    assert max(errs.values()) < 1e-5, errs
+
+
+def test_bad_shapes_are_refused_before_any_launch():
+    from dflash_lab.spec_decode.fast.attention import gated_attention
+
+    q, k = torch.zeros(1, 2, 4, 16), torch.zeros(1, 2, 8, 16)
+    gate, pos = torch.zeros(1, 2, 4), torch.zeros(1, 2, dtype=torch.long)
+    with pytest.raises(ValueError, match="do not fit"):
+        gated_attention(q, k, torch.zeros(1, 2, 7, 16), gate, pos, 0.25)
+    with pytest.raises(ValueError, match="gate"):
+        gated_attention(q, k, k, torch.zeros(1, 2, 5), pos, 0.25)
+    with pytest.raises(ValueError, match="tree_start"):
+        gated_attention(q, k, k, gate, pos, 0.25, tree_start=torch.zeros(1, dtype=torch.long))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_the_compiled_kernel_sees_what_the_masks_show():
+    scope = {}
+    exec(CASES, scope)
+    scope["DEVICE"] = "cuda"
+    errs = scope["run_cases"]()
+    assert len(errs) == 8
+    for name, err in errs:
+        assert err < (2e-2 if "bfloat16" in name else 2e-5), (name, err)
