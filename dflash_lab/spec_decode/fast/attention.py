@@ -43,6 +43,7 @@ except ImportError:  # pragma: no cover - depends on the machine
     triton = None
 
 BLOCK_N = 32  # key slots per iteration
+BLOCK_M = 16  # folded query rows per program, whatever Q is: a row's sums never depend on the step's width
 
 
 def usable(q: torch.Tensor) -> bool:
@@ -156,15 +157,14 @@ def gated_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: tor
     qpos = qpos.to(torch.int32).contiguous()
     start = tree_start.to(torch.int32).contiguous() if tree else qpos
     anc = ancestors.contiguous().view(torch.uint8) if tree else qpos
-    block_m = max(16, min(64, triton.next_power_of_2(G * Q)))
-    grid = (B * nkv, triton.cdiv(G * Q, block_m))
+    grid = (B * nkv, triton.cdiv(G * Q, BLOCK_M))
     _gated_attention_kernel[grid](
         q, k, v, gate, out, qpos, start, anc,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), gate.stride(0), gate.stride(1), out.stride(0), out.stride(1),
         anc.stride(0) if tree else 0, anc.stride(1) if tree else 0,
         nkv, Q, S, window or 0, float(scale),
-        G=G, HD=hd, BLOCK_D=triton.next_power_of_2(hd), BLOCK_M=block_m, BLOCK_N=BLOCK_N,
+        G=G, HD=hd, BLOCK_D=triton.next_power_of_2(hd), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
         HAS_WINDOW=window is not None, TREE=tree, PER_HEAD=per_head, IEEE=q.dtype == torch.float32,
     )
     return out
