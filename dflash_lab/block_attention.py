@@ -9,6 +9,8 @@ The drafter (``drafter.py``) attends through these; they hold no parameters.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .layers import additive_mask
@@ -93,6 +95,18 @@ class ConcatKV:
         return dflash_attention_mask(positions, self.positions.to(positions.device), block_size, window, causal=causal)
 
 
+@dataclass
+class SlotVisibility:
+    """``visible_keys`` over ``SlotKV`` for a kernel that computes it instead of reading a mask: one block a row
+    at slots start .. start+Q-1 sees the context slots below start and its own slots where ``pattern`` says
+    (all, or the lower triangle when causal), within |q - k| < window."""
+
+    positions: torch.Tensor  # (B, Q) int32, the block's positions
+    start: torch.Tensor  # (B,) int32, its first position (the context is slots < start)
+    pattern: torch.Tensor  # (B, Q, Q) bool, [i, j]: query i sees block slot j (one pattern, expanded)
+    window: int | None
+
+
 class SlotKV:
     """Context K/V at slot == position of preallocated buffers k, v (L, B, S, nkv, hd), one block per row.
 
@@ -106,6 +120,7 @@ class SlotKV:
     def __init__(self, k: torch.Tensor, v: torch.Tensor):
         self.k, self.v = k, v
         self.slots = torch.arange(k.shape[2], device=k.device)
+        self._patterns: dict = {}  # (Q, causal) -> (Q, Q) bool, made once (a captured step only reads it)
 
     def write(self, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v (L, B, Q, nkv, hd) of positions (B, Q), written at those slots."""
@@ -122,10 +137,28 @@ class SlotKV:
             return self.k[i], self.v[i]
         return keys_values
 
-    def mask(self, positions: torch.Tensor, block_size: int, *, causal: bool, window: int | None) -> torch.Tensor:
+    def visibility(self, positions: torch.Tensor, block_size: int, *, causal: bool,
+                   window: int | None) -> SlotVisibility:
+        """What ``mask`` shows, as a kernel reads it (``SlotVisibility``): no (B, Q, S) tensor built."""
+        B, Q = self._one_block(positions, block_size)
+        if (Q, causal) not in self._patterns:
+            own = torch.arange(Q, device=self.k.device)
+            # visible_keys within the block: every key is in the own block, so only causality decides
+            self._patterns[Q, causal] = visible_keys(own[:, None], own[None, :], own[:1], own < 0, own >= 0,
+                                                     causal=causal, window=None)
+        positions = positions.int()
+        return SlotVisibility(positions, positions[:, 0].contiguous(), self._patterns[Q, causal].expand(B, Q, Q),
+                              window)
+
+    @staticmethod
+    def _one_block(positions: torch.Tensor, block_size: int) -> tuple[int, int]:
         B, Q = positions.shape
         if Q != block_size:
             raise ValueError(f"SlotKV holds one block per row: got {Q} block tokens for block_size {block_size}")
+        return B, Q
+
+    def mask(self, positions: torch.Tensor, block_size: int, *, causal: bool, window: int | None) -> torch.Tensor:
+        B, Q = self._one_block(positions, block_size)
         start = positions[:, :1, None]  # (B, 1, 1): t, the context is slots < t
         k_pos = self.slots[None, None, :]  # (1, 1, S): slot == position
         own = (k_pos >= start) & (k_pos < start + Q)

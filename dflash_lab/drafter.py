@@ -30,7 +30,8 @@ from torch import nn
 
 from .config import DFlashDrafterConfig
 from .context_kv import compute_context_kv
-from .block_attention import ConcatKV, SlotKV, dflash_attention_mask, draft_block_ids, visible_keys  # noqa: F401
+from .block_attention import (ConcatKV, SlotKV, SlotVisibility, dflash_attention_mask, draft_block_ids,  # noqa: F401
+                              visible_keys)
 from .layers import RMSNorm, TorchOps, apply_rope, gqa_attention, grouped_mask, rope_tables
 
 # ---------------------------------------------------------------------------
@@ -78,6 +79,10 @@ class DFlashAttention(nn.Module):
         q = ops.norm_rope(self.q_norm, q, cos, sin, self.num_heads, self.head_dim)  # (B, Q, nh, hd)
         k = ops.norm_rope(self.k_norm, k, cos, sin, self.num_kv_heads, self.head_dim)  # (B, Q, nkv, hd)
         keys, values = keys_values(k, v.unflatten(-1, (self.num_kv_heads, self.head_dim)))  # (B, S, nkv, hd)
+        if isinstance(mask, SlotVisibility):  # the fast path's kernel: visibility computed, gate applied
+            return self.o_proj(ops.slot_attention(q, keys.transpose(1, 2), values.transpose(1, 2),
+                                                  g[0] if self.gating else None, mask, self.head_dim**-0.5,
+                                                  self.gate_per_head))
         out = gqa_attention(q, keys.transpose(1, 2), values.transpose(1, 2), mask, self.head_dim**-0.5)  # (B, Q, nh*hd)
         if self.gating:
             gate = F.softplus(g[0].float()).to(out.dtype)
@@ -256,6 +261,7 @@ class DFlashLagunaDrafter(nn.Module):
                       (``ConcatKV`` or ``SlotKV``)
         block_size:   tokens per block (default: Q, one block)
         mask:         (B, Q, keys) bool or additive, default ``kv.mask`` with vLLM's causality and ``self.window``
+                      (over ``SlotKV`` with ops that carry the attention kernel: ``kv.visibility``, no mask)
         ops:          how norms run (``layers.TorchOps``; the fast path passes one-kernel versions)
         Returns (B, Q, H), after the final norm; feed to the target's lm_head.
         """
@@ -264,10 +270,12 @@ class DFlashLagunaDrafter(nn.Module):
         if kv.k.shape[0] != len(self.layers):
             raise ValueError(f"context K/V hold {kv.k.shape[0]} layers, the drafter has {len(self.layers)}")
         if mask is None:
-            mask = kv.mask(positions, block_size or positions.shape[1], causal=self.config.is_causal,
-                           window=self.window)
-        groups = self.config.num_attention_heads // self.config.num_key_value_heads
-        mask = grouped_mask(mask, groups, *noise_embeds.shape[:2])  # once, for every layer
+            fused = isinstance(kv, SlotKV) and getattr(ops, "attention_usable", lambda x: False)(noise_embeds)
+            mask = (kv.visibility if fused else kv.mask)(positions, block_size or positions.shape[1],
+                                                         causal=self.config.is_causal, window=self.window)
+        if not isinstance(mask, SlotVisibility):
+            groups = self.config.num_attention_heads // self.config.num_key_value_heads
+            mask = grouped_mask(mask, groups, *noise_embeds.shape[:2])  # once, for every layer
         cos, sin = rope_tables(self.config, positions, noise_embeds.dtype)
         h = noise_embeds
         for i, layer in enumerate(self.layers):

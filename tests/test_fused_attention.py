@@ -129,6 +129,34 @@ print(json.dumps(out))
 """
 
 
+STATIC_DRAFTER = r"""
+import json
+import torch
+from dflash_lab.assets import load_default_pair
+from dflash_lab.drafter import with_window
+from dflash_lab.spec_decode.fast import triton_ops
+from dflash_lab.spec_decode.fast.static_drafter import StaticDrafter
+
+target, paper, _ = load_default_pair("cpu", dtype=torch.float32)
+poolside = load_default_pair("cpu", dtype=torch.float32, drafter="poolside")[1]
+gen = torch.Generator().manual_seed(0)
+out = {}
+with torch.no_grad():
+    for name, drafter in (("paper, non-causal", paper), ("paper, non-causal, window 6", with_window(paper, 6)),
+                          ("poolside, causal, window 64", poolside), ("poolside, causal, window 5", with_window(poolside, 5))):
+        sd = StaticDrafter(drafter, target, batch=2, capacity=112, block_size=16)
+        sd.kv.k.copy_(torch.randn(sd.kv.k.shape, generator=gen))
+        sd.kv.v.copy_(torch.randn(sd.kv.v.shape, generator=gen))
+        first, start = torch.tensor([5, 77]), torch.tensor([20, 90])
+        fused = sd.draft_logits(first, start, 16)
+        usable, triton_ops.attention_usable = triton_ops.attention_usable, lambda x: False
+        masked = sd.draft_logits(first, start, 16)
+        triton_ops.attention_usable = usable
+        out[name] = ((fused - masked).abs().max() / masked.abs().max()).item()
+print(json.dumps(out))
+"""
+
+
 def _interpret(script: str, tmp_path) -> object:
     path = tmp_path / "script.py"
     path.write_text(script)
@@ -179,3 +207,12 @@ def test_gpu_the_compiled_kernel_sees_what_the_masks_show():
     assert len(errs) == 8
     for name, err in errs:
         assert err < (2e-2 if "bfloat16" in name else 2e-5), (name, err)
+
+
+@pytest.mark.skipif(triton is None, reason="needs Triton")
+def test_the_drafters_block_through_the_kernel_gives_the_masks_logits(tmp_path):
+    """Both shipped drafters' blocks over their context slots (``SlotVisibility``): non-causal (the paper's) and
+    causal (the Poolside-style), each also under a window narrower than the block, float32, kernel on and off."""
+    errs = _interpret(STATIC_DRAFTER, tmp_path)
+    assert len(errs) == 4
+    assert max(errs.values()) < 1e-5, errs

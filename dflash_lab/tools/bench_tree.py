@@ -34,6 +34,8 @@ def tree_markdown(result: dict) -> str:
     lines = [f"# DDTree against the chain ({result['device']}, {result['dtype']})", "",
              f"`{result['command']}`: {result['prompts']} prompts of each set, {result['max_new_tokens']} new tokens, "
              f"block {result['block_size']}.", ""]
+    if result.get("code"):  # a record kept from earlier code says so
+        lines += [f"Measured at commit {result['code']}.", ""]
     head = "| batch | method | tau | accepted per node | same as target-only |"
     if speed:
         head += " tokens/s | x target-only | whole step ms | verify ms |"

@@ -407,6 +407,13 @@ viz.step_time_figure(phases, taus=taus)
 # not measured (118 B parameters do not fit on one H200), so its rows reuse XS.2's cost ratio.
 # Random weights route to fewer distinct experts than a trained router would (the record says how
 # many), so the 16-token step is, if anything, cheaper here than on Laguna itself.
+#
+# Since that record, each layer's attention on the static path is one Triton kernel
+# (`spec_decode.fast.attention`): which cache slots a query sees is computed from its position
+# (causal, the sliding window, a draft tree's ancestors) instead of read from a mask over every slot,
+# only those slots are read, and Laguna's softplus gate is applied on the way out. vLLM gets the same
+# from its attention backends (FlashAttention with a window; the gate is Laguna's own). Its cost
+# against the masks + SDPA route is printed below from one H100 run (`benchmarks/xs2_steps_h100.json`).
 
 # %%
 from dflash_lab.measure.speed_model import XS2_STEPS, lab_pair_table, poolside_table  # noqa: E402
@@ -418,6 +425,13 @@ for kind in ("target", "drafter"):
     for t in xs2[kind]:
         print(f"{kind:>7}, {t['block']:>2} tokens: {t['ms']:6.2f} ms measured, floor {t['floor_ms']:.2f} ms at 4.8 TB/s "
               f"({t['over_floor']:.1f}x the floor at the {xs2['copy_bandwidth_Bps'] / 1e12:.2f} TB/s copy bandwidth)")
+attention_run = XS2_STEPS.with_name("xs2_steps_h100.json")  # the static path's attention kernel against masks + SDPA
+if attention_run.exists():
+    a = json.loads(attention_run.read_text())
+    fused = {t["block"]: t["ms"] for t in a["target"]}
+    for o in a.get("target_sdpa_attention", []):
+        print(f"attention kernel ({a['device']}, one run): target {o['block']:>2} tokens {fused[o['block']]:.2f} ms, "
+              f"with masks + SDPA {o['ms']:.2f} ms")
 cards, lab = poolside_table(xs2), lab_pair_table()
 held = speed.get("prompt_sets", {}).get("heldout", {})
 print("setting: each card's tau is Poolside's, on that benchmark's prompts at 15 speculative tokens (block 16); the "

@@ -1,9 +1,13 @@
 """The fast backend of DFlash decoding: the same algorithm over static buffers, the way a server runs it.
 
-    triton_ops         one-kernel RMSNorm and q/k head norm + RoPE, for the forwards below
+    attention          one kernel a layer for attention over the static buffers: which slots a query sees
+                       computed from positions (causal, window, a tree's ancestors, a drafter block), the gate
+    triton_ops         one-kernel RMSNorm and q/k head norm + RoPE, for the forwards below (and the
+                       attention kernel handed to the drafter as ``ops``)
     static_target      the target's forward over a preallocated KV cache, no host syncs
     static_drafter     the drafter's context K/V in slots (slot == position), and its block step
-                       through the drafter's own attention (``block_attention.SlotKV``)
+                       through the drafter's own attention (``block_attention.SlotKV``; the kernel
+                       above where it runs)
     cuda_graphs        capture a step once, replay it with one launch
     decoder            ``FastDecoder``: several prompts, ragged acceptance, the accept rule of
                        ``spec_decode.sampling``; a row refilled while the others go on

@@ -7,6 +7,7 @@ does all of it, and reads only the slots a query can see:
 
     gated_attention(q, k, v, gate, qpos, scale, window=None, per_head=True)         the chain
     gated_attention(..., tree_start=start, ancestors=tree.ancestors)               a draft tree
+    slot_attention(q, k, v, gate, visibility, scale, per_head)                     the drafter's block
 
 q (B, Q, H, hd); k, v (B, nkv, S, hd) (the cache, or a prefill's own keys; any strides); gate (B, Q, H)
 (``per_head``) or (B, Q, H*hd), pre-activation; qpos (B, Q) each query's position. The output is
@@ -20,8 +21,11 @@ from a mask (slot == position in the static cache):
     tree    (``StaticTarget.forward(tree=...)``: the tree's Q = N + 1 indices sit at slots start .. start+N,
             tree index i at position qpos[b, i] = start + depth) slots below start as a chain query, tree
             slot start + j when ancestors[b, i, j], and within the window on positions
+    block   the drafter's DFlash block over its context slots (``block_attention.SlotVisibility``): a
+            tree whose ancestors are the block's pattern, all ones (non-causal) or the lower triangle
+            (causal), and the window two-sided, |q - k| < window (``visible_keys``)
 
-A program takes one (row, KV head, block of g*Q query rows): the g query heads that share a KV head
+A program takes one (row, KV head, 16 of the g*Q query rows): the g query heads that share a KV head
 are folded into the rows (as ``gqa_attention`` folds them), so K/V are read once per KV head. It walks
 only the slot blocks between the lowest slot any of its queries sees (the window) and the highest.
 The exponentials run in float32; float32 inputs multiply in IEEE float32 (no TF32).
@@ -34,7 +38,7 @@ from __future__ import annotations
 
 import torch
 
-from . import triton_ops
+from ... import context_kv_kernel as kernels
 
 try:  # Triton is a GPU-side extra
     import triton
@@ -48,7 +52,8 @@ BLOCK_M = 16  # folded query rows per program, whatever Q is: a row's sums never
 
 def usable(q: torch.Tensor) -> bool:
     """Whether ``gated_attention`` runs for these queries (CUDA, or Triton's interpreter; the fused switch on)."""
-    return triton_ops.enabled(q) and q.dtype in (torch.float32, torch.float16, torch.bfloat16)
+    return (triton is not None and kernels.fused_enabled() and (q.is_cuda or kernels.interpreting())
+            and q.dtype in (torch.float32, torch.float16, torch.bfloat16))
 
 
 if triton is not None:
@@ -59,7 +64,8 @@ if triton is not None:
         sq_b, sq_q, sq_h, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sg_b, sg_q, so_b, so_q, sa_b, sa_i,
         NKV, Q, S, window, scale,
         G: tl.constexpr, HD: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        HAS_WINDOW: tl.constexpr, TREE: tl.constexpr, PER_HEAD: tl.constexpr, IEEE: tl.constexpr,
+        HAS_WINDOW: tl.constexpr, TREE: tl.constexpr, HAS_GATE: tl.constexpr, PER_HEAD: tl.constexpr,
+        IEEE: tl.constexpr,
     ):
         b = tl.program_id(0) // NKV
         kvh = tl.program_id(0) % NKV
@@ -107,8 +113,8 @@ if triton is not None:
             else:
                 visible = (s[None, :] <= qpos[:, None]) & s_ok[None, :]
                 kpos = s
-            if HAS_WINDOW:
-                visible = visible & ((qpos[:, None] - kpos[None, :]) < window)
+            if HAS_WINDOW:  # |q - k|: a non-causal block sees keys after its query too (chain, tree: never)
+                visible = visible & (tl.abs(qpos[:, None] - kpos[None, :]) < window)
             scores = tl.where(visible, scores, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(scores, axis=1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
@@ -123,23 +129,25 @@ if triton is not None:
             m_i = m_new
         dt = out_ptr.dtype.element_ty
         out = (acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]).to(dt).to(tl.float32)  # SDPA's output, rounded
-        if PER_HEAD:
-            g = tl.load(g_ptr + b * sg_b + qi * sg_q + head, mask=row_ok, other=0.0).to(tl.float32)[:, None]
-        else:
-            g = tl.load(g_ptr + b * sg_b + qi[:, None] * sg_q + head[:, None] * HD + d[None, :],
-                        mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-        e = tl.exp(tl.minimum(g, 20.0))
-        gate = tl.where(g > 20.0, g, tl.where(e < 1e-4, e - 0.5 * e * e, tl.log(1.0 + e)))  # softplus (log1p)
-        out = out * gate.to(dt).to(tl.float32)
+        if HAS_GATE:
+            if PER_HEAD:
+                g = tl.load(g_ptr + b * sg_b + qi * sg_q + head, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+            else:
+                g = tl.load(g_ptr + b * sg_b + qi[:, None] * sg_q + head[:, None] * HD + d[None, :],
+                            mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+            e = tl.exp(tl.minimum(g, 20.0))
+            gate = tl.where(g > 20.0, g, tl.where(e < 1e-4, e - 0.5 * e * e, tl.log(1.0 + e)))  # softplus (log1p)
+            out = out * gate.to(dt).to(tl.float32)
         tl.store(out_ptr + b * so_b + qi[:, None] * so_q + head[:, None] * HD + d[None, :], out.to(dt),
                  mask=row_ok[:, None] & d_ok[None, :])
 
 
-def gated_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor, qpos: torch.Tensor,
+def gated_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor | None, qpos: torch.Tensor,
                     scale: float, *, window: int | None = None, per_head: bool = True,
                     tree_start: torch.Tensor | None = None, ancestors: torch.Tensor | None = None) -> torch.Tensor:
     """softplus(gate) * attention of q (B, Q, H, hd) over k/v (B, nkv, S, hd) -> (B, Q, H*hd); see the module
-    docstring. A tree passes ``tree_start`` (B,) and ``ancestors`` (B, Q, Q) bool."""
+    docstring. ``gate`` None: no gate. A tree passes ``tree_start`` (B,) and ``ancestors`` (B, Q, Q) bool
+    (any batch stride: a block's one pattern expanded). qpos in int32 saves a conversion per call."""
     B, Q, H, hd = q.shape
     nkv, S = k.shape[1], k.shape[2]
     tree = tree_start is not None
@@ -148,23 +156,33 @@ def gated_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: tor
                          f"qpos {tuple(qpos.shape)} do not fit (B, Q, H, hd) / (B, nkv, S, hd) / (B, Q)")
     if tree != (ancestors is not None) or (tree and ancestors.shape != (B, Q, Q)):
         raise ValueError("a tree needs tree_start (B,) and ancestors (B, Q, Q) together")
-    if gate.shape != (B, Q, H if per_head else H * hd):
+    if gate is not None and gate.shape != (B, Q, H if per_head else H * hd):
         raise ValueError(f"gate {tuple(gate.shape)} is not (B, Q, {'H' if per_head else 'H*hd'})")
-    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1 or gate.stride(-1) != 1:
-        raise ValueError("q, k, v and gate need a contiguous last dimension")
+    if any(t is not None and t.stride(-1) != 1 for t in (q, k, v, gate, ancestors)):
+        raise ValueError("q, k, v, gate and ancestors need a contiguous last dimension")
     G = H // nkv
     out = torch.empty((B, Q, H * hd), device=q.device, dtype=q.dtype)
-    qpos = qpos.to(torch.int32).contiguous()
-    start = tree_start.to(torch.int32).contiguous() if tree else qpos
-    anc = ancestors.contiguous().view(torch.uint8) if tree else qpos
+    qpos = qpos if qpos.dtype == torch.int32 and qpos.is_contiguous() else qpos.to(torch.int32).contiguous()
+    start = tree_start.to(torch.int32).contiguous() if tree else qpos  # no copy when it is so already
+    anc = ancestors.view(torch.uint8) if tree else qpos
+    g = q if gate is None else gate
     grid = (B * nkv, triton.cdiv(G * Q, BLOCK_M))
     _gated_attention_kernel[grid](
-        q, k, v, gate, out, qpos, start, anc,
+        q, k, v, g, out, qpos, start, anc,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), gate.stride(0), gate.stride(1), out.stride(0), out.stride(1),
+        v.stride(0), v.stride(1), v.stride(2), g.stride(0), g.stride(1), out.stride(0), out.stride(1),
         anc.stride(0) if tree else 0, anc.stride(1) if tree else 0,
         nkv, Q, S, window or 0, float(scale),
         G=G, HD=hd, BLOCK_D=triton.next_power_of_2(hd), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-        HAS_WINDOW=window is not None, TREE=tree, PER_HEAD=per_head, IEEE=q.dtype == torch.float32,
+        HAS_WINDOW=window is not None, TREE=tree, HAS_GATE=gate is not None, PER_HEAD=per_head,
+        IEEE=q.dtype == torch.float32,
     )
     return out
+
+
+def slot_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor | None, visibility,
+                   scale: float, per_head: bool = True) -> torch.Tensor:
+    """The drafter's block over its slots: q (B, Q, H, hd), k/v (B, nkv, S, hd), visibility a
+    ``block_attention.SlotVisibility`` -> (B, Q, H*hd)."""
+    return gated_attention(q, k, v, gate, visibility.positions, scale, window=visibility.window, per_head=per_head,
+                           tree_start=visibility.start, ancestors=visibility.pattern)

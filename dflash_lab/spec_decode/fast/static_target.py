@@ -278,8 +278,8 @@ class StaticTarget:
         write_at = positions if tree is None else start[:, None] + self.slots[:ids.shape[1]]
         fused, bias = None, {}
         if self.fused_attention and attention.usable(h):  # visibility computed in the kernel: no masks
-            fused = (positions, None, None) if tree is None else \
-                (start[:, None] + tree.depths_with_root(), start, tree.ancestors)
+            fused = (positions.int(), None, None) if tree is None else \
+                ((start[:, None] + tree.depths_with_root()).int(), start.int(), tree.ancestors)  # int32 once
         else:
             if tree is None:
                 masks = {w: self._bias(positions, w, slots) for w in windows}

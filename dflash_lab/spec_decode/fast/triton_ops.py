@@ -18,7 +18,9 @@ results agree to rounding (float32: ~1e-7 relative), not bit for bit.
 ``layers.stacked_linears``) runs on every device; the kernels above only where ``enabled(x)``:
 CUDA tensors with Triton installed, unless DFLASH_LAB_FUSED=0
 (the switch ``dflash_lab.context_kv_kernel`` reads). Elsewhere ``norm`` / ``norm_rope`` fall back to
-``layers.TorchOps``: this module can be passed as ``ops=`` wherever TorchOps can.
+``layers.TorchOps``: this module can be passed as ``ops=`` wherever TorchOps can. It also hands the
+drafter the attention kernel (``attention_usable``, ``slot_attention``): a drafter given these ops over
+``SlotKV`` attends in one kernel a layer where it runs; TorchOps has neither, so the masks are used.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch
 
 from ...layers import TorchOps, stacked_linears
 from ... import context_kv_kernel as kernels
+from .attention import slot_attention, usable as attention_usable  # noqa: F401 - the drafter reads them as ops.*
 
 try:  # Triton is a GPU-side extra
     import triton
