@@ -43,6 +43,7 @@ import math
 import torch
 
 from ...runtime import first_parameter, is_int
+from . import readback
 from .cuda_graphs import GraphedStep, new_pool
 from ..loop import SpecDecodeResult
 from ..proposers import check_block_size, resolve_drafter
@@ -393,28 +394,10 @@ class FastDecoder:
             self._run_on_device()
         return self.results(range(len(prompts)))
 
-    def results(self, rows) -> list[SpecDecodeResult]:
-        """The generations of ``rows`` (filled since the last ``prefill``), one read-back (one sync) for all:
-        tokens | pos | steps | drafts | draft_log | accepted_log."""
-        rows = list(rows)
-        S, L = self.tokens.shape[1], self.draft_log.shape[1]
-        counts = torch.stack([self.pos, self.n_steps, self.n_drafts], dim=1)
-        index = torch.tensor(rows, dtype=torch.long, device=self.device)
-        back = torch.cat([self.tokens, counts, self.draft_log, self.accepted_log], dim=1)[index].tolist()
-        tokens, draft_log, accepted_log = ([r[a:a + w] for r in back] for a, w in
-                                           ((0, S), (S + 3, L), (S + 3 + L, L)))
-        pos, steps, drafts = ([r[S + i] for r in back] for i in range(3))
-        out, stop = [], self.stop
-        for b, row in enumerate(rows):
-            T = self._lengths[row]
-            new = tokens[b][T:min(pos[b] + 1, T + self._max_new[row], self.max_pos)]
-            for i, tok in enumerate(new):
-                if tok in stop:
-                    new = new[:i + 1]
-                    break
-            stats = SpecDecodeStats(num_accepted_tokens_per_pos=[0] * (self.B - 1), num_generated_tokens=len(new),
-                                    num_target_forwards=1 + steps[b])
-            stats.observe_drafts(draft_log[b][:drafts[b]], accepted_log[b][:drafts[b]], depth=self.B - 1)
-            ids = torch.tensor([tokens[b][:T] + new], dtype=torch.long, device=self.device)
-            out.append(SpecDecodeResult(ids, stats, [], T))
-        return out
+    def snapshot(self, rows) -> readback.Snapshot:
+        """``rows``' state copied back without waiting (``readback.snapshot``), for ``results(rows, snapshot)``."""
+        return readback.snapshot(self, rows)
+
+    def results(self, rows, snapshot=None) -> list[SpecDecodeResult]:
+        """The generations of ``rows`` (filled since the last ``prefill``): ``readback.results``."""
+        return readback.results(self, rows, snapshot)

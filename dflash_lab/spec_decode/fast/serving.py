@@ -8,9 +8,10 @@ Every request arrives at time 0 and at most ``decoder.batch`` run at once (``vll
 --request-rate inf --max-concurrency B``). vLLM's scheduler keeps up to ``max_num_seqs`` requests
 running; when one finishes (its length, a stop token) the next waiting request is scheduled into
 the freed place at the next step (``v1/core/sched/scheduler.py``), so the batch stays full until the
-queue runs dry. Here a decoder row is that place: a finished row is read back and refilled with the
-next prompt (``FastDecoder.fill``: that row's prefill, caches and context K/V overwritten, the
-other rows untouched), and the graphed step goes on at the same (batch, block) shape.
+queue runs dry. Here a decoder row is that place: a finished row's state is copied back
+(``FastDecoder.snapshot``), the row is refilled with the next prompt (``FastDecoder.fill``: that row's
+prefill, caches and context K/V overwritten, the other rows untouched) and its result is built on the
+host while that refill runs; the graphed step goes on at the same (batch, block) shape.
 
 ``policy="static"`` admits a new batch only when every row of the last one is done: a batch runs as
 many steps as its slowest sequence needs while finished rows idle (the straggler effect). Both
@@ -48,7 +49,7 @@ class Request:
     result: SpecDecodeResult
     admitted_s: float  # when its prefill was launched (the time it waited for a row)
     first_token_s: float  # TTFT: its prefill done, the first token out
-    finished_s: float  # E2EL: its last token read back
+    finished_s: float  # E2EL: the host saw it finished (its last step done)
 
     @property
     def num_tokens(self) -> int:
@@ -171,13 +172,14 @@ def serve(decoder: FastDecoder, prompts, *, max_new_tokens, stop_token_ids=(), p
             active, remaining = peek.read()  # a burst's last step may still run: remaining is then an upper bound
             finished = [b for b in running if not active[b]]
         if finished:
-            results = decoder.results(finished)  # one read-back (a sync) for all of them
             now = clock.host()
-            for b, result in zip(finished, results):
-                done.append((running.pop(b), b, result, now))
+            snap = decoder.snapshot(finished)  # copied back beside what follows; a refill may overwrite the rows
+            ended = [(running.pop(b), b) for b in finished]
             free.update(finished)
             if not running or (policy == "continuous" and len(free) >= min(refill_at, len(waiting) or 1)):
                 admit(sorted(free))
+            for (i, b), result in zip(ended, decoder.results(finished, snap)):  # built while the refill runs
+                done.append((i, b, result, now))
             continue
         width = width_for(len(running))
         if host and width > 1:
