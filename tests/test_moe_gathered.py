@@ -149,3 +149,43 @@ def test_the_static_path_with_laguna_xs2s_layer_pattern_matches_transformers():
         logits, aux = st.forward(ids[:, 20:], pos[:, 20:])
     torch.testing.assert_close(logits, ref.logits[:, 20:], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(aux, ref.aux_hidden[:, 20:], rtol=1e-5, atol=1e-5)
+
+
+ROUTER_SCRIPT = r"""
+import json
+import torch
+from types import SimpleNamespace
+from dflash_lab.spec_decode.fast.moe import fused_route
+from dflash_lab.spec_decode.fast.static_target import route
+
+out = []
+for tokens, E, k, dtype, seed in [(1, 256, 8, torch.bfloat16, 0), (5, 12, 3, torch.float32, 1), (7, 8, 1, torch.float32, 2),
+                                  (3, 8, 8, torch.float32, 3)]:
+    g = torch.Generator().manual_seed(seed)
+    wide = torch.randn(tokens, E + 9, generator=g).to(dtype)  # the router's columns of a wider GEMM output
+    logits = wide[:, 2:2 + E]
+    router = SimpleNamespace(e_score_correction_bias=torch.randn(E, generator=g) * 0.1, top_k=k,
+                             router_logit_softcapping=0.0)
+    w_ref, sel_ref = route(router, logits.float(), dtype)
+    w, sel = fused_route(logits, router.e_score_correction_bias, k, dtype)
+    out.append([bool(torch.equal(sel, sel_ref)), ((w.float() - w_ref.float()).abs().max()).item(), str(w.dtype)])
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(triton is None, reason="needs Triton")
+def test_the_router_kernel_picks_the_experts_route_picks(tmp_path):
+    """Laguna's router in one kernel, in Triton's interpreter: the same experts in the same order as
+    ``static_target.route`` (XS.2's 256 experts top-8 in bf16, a non-power-of-two count, k = 1, k = E), and
+    the same renormalised weights, in the model's dtype."""
+    script = tmp_path / "router_interp.py"
+    script.write_text(ROUTER_SCRIPT)
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300,
+                          cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(rows) == 4
+    for same, err, dtype in rows:
+        assert same and err < (1e-2 if "bfloat16" in dtype else 1e-6), rows
+        assert dtype in ("torch.bfloat16", "torch.float32")

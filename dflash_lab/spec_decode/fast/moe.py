@@ -18,12 +18,16 @@ reads the weights of the experts that were chosen and no others: at Laguna-XS.2'
                 once (a few times more only when an expert holds more than BLOCK_M rows)
 
 On CUDA the GEMMs are a Triton kernel; elsewhere (and as the reference) the same
-blocks run as one batched matmul over the block experts' weights, exact in float32.
+blocks run as one batched matmul over the block experts' weights, exact in float32. The router
+before them (sigmoid, top-k with the correction bias, renormalisation) is one kernel too
+(``fused_route``; ``static_target.route`` is its reference).
 """
 
 from __future__ import annotations
 
 import torch
+
+from ... import context_kv_kernel as kernels
 
 try:  # Triton is a GPU-side extra
     import triton
@@ -118,6 +122,52 @@ def _block_gemm(a, a_index, w, out, out_index, row_pair, block_expert, used, sca
                              scale if scale is not None else a, pairs, n_out, K, a.stride(0), w.stride(0), w.stride(1),
                              out.stride(0), HAS_SCALE=scale is not None, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
                              BLOCK_K=block_k, num_warps=4, num_stages=3)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _route_kernel(logits_ptr, bias_ptr, w_ptr, sel_ptr, E, stride_l,
+                      TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+        n = tl.program_id(0).to(tl.int64)
+        e = tl.arange(0, BLOCK_E)
+        ok = e < E
+        x = tl.load(logits_ptr + n * stride_l + e, mask=ok, other=0.0).to(tl.float32)
+        score = 1.0 / (1.0 + tl.exp(-x))  # sigmoid
+        key = tl.where(ok, score + tl.load(bias_ptr + e, mask=ok, other=0.0).to(tl.float32), float("-inf"))
+        kk = tl.arange(0, BLOCK_K)
+        sel = tl.zeros((BLOCK_K,), tl.int64)
+        w = tl.zeros((BLOCK_K,), tl.float32)
+        for i in tl.static_range(TOP_K):  # k rounds of max: the best first, the lowest id among equals
+            best = tl.max(key, axis=0)
+            idx = tl.min(tl.where(key == best, e, BLOCK_E), axis=0)
+            sel = tl.where(kk == i, idx, sel)
+            w = tl.where(kk == i, tl.sum(tl.where(e == idx, score, 0.0), axis=0), w)
+            key = tl.where(e == idx, float("-inf"), key)
+        w = w / tl.sum(w, axis=0)
+        tl.store(w_ptr + n * TOP_K + kk, w.to(w_ptr.dtype.element_ty), mask=kk < TOP_K)
+        tl.store(sel_ptr + n * TOP_K + kk, sel, mask=kk < TOP_K)
+
+
+def route_runs(logits: torch.Tensor, router) -> bool:
+    """Whether ``fused_route`` serves this router: CUDA or Triton's interpreter, no logit softcapping."""
+    return (triton is not None and kernels.fused_enabled() and (logits.is_cuda or kernels.interpreting())
+            and not (getattr(router, "router_logit_softcapping", 0.0) or 0.0) > 0)
+
+
+def fused_route(logits: torch.Tensor, bias: torch.Tensor, top_k: int, dtype: torch.dtype):
+    """Laguna's router in one kernel: logits (N, E) (any dtype, rows of any stride) -> (weights (N, k) in
+    dtype, expert ids (N, k)): sigmoid scores in float32, the top k of score + bias (best first), the chosen
+    scores renormalised. ``static_target.route`` is the reference (no softcapping here)."""
+    N, E = logits.shape
+    if logits.stride(-1) != 1 or not 1 <= top_k <= E:
+        raise ValueError(f"fused_route: logits {tuple(logits.shape)} need a contiguous last dimension and "
+                         f"1 <= top_k ({top_k}) <= E")
+    weights = torch.empty((N, top_k), device=logits.device, dtype=dtype)
+    selected = torch.empty((N, top_k), device=logits.device, dtype=torch.long)
+    _route_kernel[(N,)](logits, bias, weights, selected, E, logits.stride(0), TOP_K=top_k,
+                        BLOCK_E=triton.next_power_of_2(E), BLOCK_K=triton.next_power_of_2(top_k))
+    return weights, selected
 
 
 def kernel_runs(x: torch.Tensor) -> bool:

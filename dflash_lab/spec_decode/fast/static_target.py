@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from ...layers import additive_mask, gqa_attention, grouped_mask
 from . import attention, triton_ops
 from ..tree import DraftTree, tree_visible
-from .moe import gathered_experts, kernel_runs
+from .moe import fused_route, gathered_experts, kernel_runs, route_runs
 
 MOE_IMPLEMENTATIONS = ("auto", "gathered", "grouped", "dense")
 GROUPED_FROM_PAIRS = 4096  # "auto": more (token, expert) pairs than this (a prefill) go to torch's grouped GEMM
@@ -240,7 +240,10 @@ class StaticTarget:
         width = (lay.w_gu.shape[0] - n_exp) // 2
         logits, gate, up = F.linear(x, lay.w_gu).split([n_exp, width, width], dim=-1)  # router | shared gate | up
         shared = F.linear(lay.act(gate) * up, lay.w_down)
-        weights, selected = route(router, logits.float(), x.dtype)  # (N, k) each
+        if route_runs(logits, router):  # one kernel: float32 inside
+            weights, selected = fused_route(logits, router.e_score_correction_bias, router.top_k, x.dtype)
+        else:
+            weights, selected = route(router, logits.float(), x.dtype)  # (N, k) each
         routed = self._experts(mlp.experts, x, selected, weights)
         return (routed * mlp.routed_scaling_factor + shared).view(B, Q, H)
 
