@@ -159,7 +159,8 @@ from dflash_lab.spec_decode.fast.moe import fused_route
 from dflash_lab.spec_decode.fast.static_target import route
 
 out = []
-for tokens, E, k, dtype, seed in [(1, 256, 8, torch.bfloat16, 0), (5, 12, 3, torch.float32, 1), (7, 8, 1, torch.float32, 2),
+for tokens, E, k, dtype, seed in [(1, 256, 8, torch.bfloat16, 0), (5, 12, 3, torch.float32, 1),
+                                  (7, 8, 1, torch.float32, 2),
                                   (3, 8, 8, torch.float32, 3)]:
     g = torch.Generator().manual_seed(seed)
     wide = torch.randn(tokens, E + 9, generator=g).to(dtype)  # the router's columns of a wider GEMM output
