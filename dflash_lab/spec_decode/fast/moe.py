@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 
 from ... import context_kv_kernel as kernels
+from . import triton_ops
 
 try:  # Triton is a GPU-side extra
     import triton
@@ -55,9 +56,8 @@ def align(selected: torch.Tensor, n_experts: int, block_m: int = BLOCK_M):
     dev = selected.device
     flat = selected.reshape(-1)
     if selected.shape[0] == 1:  # one token: its k experts are distinct, one block each, no sort (the decode step)
-        rows = torch.arange(P * block_m, device=dev)
-        row_pair = torch.where(rows % block_m == 0, rows // block_m, P)
-        return row_pair, flat, torch.full((1,), P, dtype=torch.long, device=dev)
+        row_pair, used = _one_token(P, block_m, dev)[:2]
+        return row_pair, flat, used
     n_blocks = block_bound(P, n_experts, block_m)
     counts = torch.zeros(n_experts, dtype=torch.long, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
     blocks = (counts + block_m - 1) // block_m  # blocks per expert
@@ -70,6 +70,21 @@ def align(selected: torch.Tensor, n_experts: int, block_m: int = BLOCK_M):
     row_pair = torch.full((n_blocks * block_m,), P, dtype=torch.long, device=dev).scatter_(0, dest, order)
     block_expert = torch.searchsorted(block_end, torch.arange(n_blocks, device=dev), right=True)
     return row_pair, block_expert.clamp_(max=n_experts - 1), block_end[-1:]
+
+
+_ONE_TOKEN: dict = {}
+
+
+def _one_token(P: int, block_m: int, device) -> tuple:
+    """One token's layout, which depends on k alone: (row_pair, used, rows, valid, token_of_row) as ``align`` and
+    ``gathered_experts`` use them, made once per device (a captured decode step reads them, never builds them)."""
+    key = (P, block_m, str(device))
+    if key not in _ONE_TOKEN:
+        rows = torch.arange(P * block_m, device=device)
+        row_pair = torch.where(rows % block_m == 0, rows // block_m, P)
+        _ONE_TOKEN[key] = (row_pair, torch.full((1,), P, dtype=torch.long, device=device), rows, row_pair < P,
+                           torch.zeros_like(rows))  # every row holds token 0 (or is padding, read as token 0)
+    return _ONE_TOKEN[key]
 
 
 def _blocks_matmul(a: torch.Tensor, w: torch.Tensor, block_expert: torch.Tensor, block_m: int) -> torch.Tensor:
@@ -187,16 +202,18 @@ def gathered_experts(experts, x: torch.Tensor, selected: torch.Tensor, weights: 
     P = N * k
     w_gu, w_down = experts.gate_up_proj, experts.down_proj
     row_pair, block_expert, used = align(selected, w_gu.shape[0])
-    valid = row_pair < P
-    token_of_row = torch.where(valid, row_pair // k, 0)
+    if N == 1:  # the decode step: the layout is a constant
+        rows, valid, token_of_row = _one_token(P, BLOCK_M, x.device)[2:]
+    else:
+        rows = torch.arange(row_pair.numel(), device=x.device)
+        valid = row_pair < P
+        token_of_row = torch.where(valid, row_pair // k, 0)
     x = x.contiguous()
     use_kernel = kernel_runs(x) if kernel is None else kernel
     if use_kernel:
-        rows = torch.arange(row_pair.numel(), device=x.device)
         h = torch.empty(row_pair.numel(), w_gu.shape[1], device=x.device, dtype=x.dtype)
         _block_gemm(x, token_of_row, w_gu, h, rows, row_pair, block_expert, used, None, P)
-        gate, up = h.chunk(2, dim=-1)
-        act = experts.act_fn(gate) * up  # padding rows hold garbage; the next GEMM never reads them
+        act = triton_ops.act_mul(experts.act_fn, h)  # padding rows hold garbage; the next GEMM never reads them
         out = torch.empty(P, w_down.shape[1], device=x.device, dtype=x.dtype)  # every pair is one row: all written
         _block_gemm(act, rows, w_down, out, row_pair, row_pair, block_expert, used, weights.reshape(-1), P)
     else:

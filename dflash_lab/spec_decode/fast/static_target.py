@@ -233,13 +233,12 @@ class StaticTarget:
         B, Q, H = x.shape
         x = x.reshape(B * Q, H)
         if not lay.sparse:
-            gate, up = F.linear(x, lay.w_gu).chunk(2, dim=-1)
-            return F.linear(lay.act(gate) * up, lay.w_down).view(B, Q, H)
+            return F.linear(triton_ops.act_mul(lay.act, F.linear(x, lay.w_gu)), lay.w_down).view(B, Q, H)
         mlp, router = lay.mlp, lay.mlp.gate
         n_exp = router.weight.shape[0]
-        width = (lay.w_gu.shape[0] - n_exp) // 2
-        logits, gate, up = F.linear(x, lay.w_gu).split([n_exp, width, width], dim=-1)  # router | shared gate | up
-        shared = F.linear(lay.act(gate) * up, lay.w_down)
+        h = F.linear(x, lay.w_gu)  # router | shared gate | up
+        logits = h[:, :n_exp]
+        shared = F.linear(triton_ops.act_mul(lay.act, h[:, n_exp:]), lay.w_down)
         if route_runs(logits, router):  # one kernel: float32 inside
             weights, selected = fused_route(logits, router.e_score_correction_bias, router.top_k, x.dtype)
         else:

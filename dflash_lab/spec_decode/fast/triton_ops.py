@@ -6,6 +6,7 @@ square, mean, add, rsqrt, multiply, downcast, weight), and the q/k head norms
 followed by partial RoPE ~26 per attention layer. Each becomes one kernel here:
 
     rms_norm(x, weight, eps)                   weight * round(x * rsqrt(mean(x^2) + eps))
+    silu_mul(gate_up)                          round(silu(gate)) * up, the MLPs' activation (``act_mul``)
     head_norm_rope(q, k, wq, wk, cos, sin, eps) q/k head norms, then rotate_half RoPE on the
                                                 first rotary_dim channels, both in one launch
 
@@ -99,6 +100,31 @@ if triton is not None:
         tl.store(dst + ROT + c3, y3, mask=m3)
 
 
+    @triton.jit
+    def _silu_mul_kernel(x_ptr, out_ptr, I, stride_x, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        m = col < I
+        g = tl.load(x_ptr + row * stride_x + col, mask=m, other=0.0).to(tl.float32)
+        u = tl.load(x_ptr + row * stride_x + I + col, mask=m, other=0.0).to(tl.float32)
+        dt = out_ptr.dtype.element_ty
+        a = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)  # silu, rounded to the dtype as torch's is
+        tl.store(out_ptr + row * I + col, (a * u).to(dt), mask=m)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of gate_up (N, 2I) = [gate | up] in one kernel (rows may be strided) -> (N, I)."""
+    N, two_i = gate_up.shape
+    if gate_up.stride(-1) != 1:
+        gate_up = gate_up.contiguous()
+    out = torch.empty((N, two_i // 2), device=gate_up.device, dtype=gate_up.dtype)
+    if N:
+        block = min(1024, triton.next_power_of_2(two_i // 2))
+        _silu_mul_kernel[(N, triton.cdiv(two_i // 2, block))](gate_up, out, two_i // 2, gate_up.stride(0),
+                                                               BLOCK=block)
+    return out
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Laguna's RMSNorm of x (..., D) in one kernel (rows may be strided; each row contiguous)."""
     shape = x.shape
@@ -155,3 +181,11 @@ def norm_rope(module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, hea
         eps = getattr(module, "variance_epsilon", None) or getattr(module, "eps")
         return head_norm_rope(x, module.weight, cos, sin, eps, heads, head_dim)
     return TorchOps.norm_rope(module, x, cos, sin, heads, head_dim)
+
+
+def act_mul(act, gate_up: torch.Tensor) -> torch.Tensor:
+    """act(gate) * up of gate_up (N, 2I) = [gate | up]: one kernel for SiLU where ``enabled``, else torch."""
+    if enabled(gate_up) and (isinstance(act, torch.nn.SiLU) or act is torch.nn.functional.silu):
+        return silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return act(gate) * up
