@@ -13,6 +13,7 @@
                        ``spec_decode.sampling``; a row refilled while the others go on
     tree_step          its DDTree step: a tree of the block's best prefixes, verified in one graph
     generate           ``fast_generate`` / ``fast_generate_batch``: one call, a cached decoder
+    readback           finished rows' tokens and counters copied back without waiting, results built after
     serving            ``serve``: a stream of requests at a concurrency, continuous batching as
                        vLLM's scheduler does it, with the per-request latencies ``vllm bench serve`` reports
 
