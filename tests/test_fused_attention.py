@@ -80,6 +80,12 @@ def run_cases(with_bf16=True):
              prefill=True),
         case("tree", 2, 13, 4, 2, 64, 96, tree_pos, None, True, f32, tree=tree, start=start),
         case("tree, window 3 on positions", 2, 13, 4, 2, 64, 96, tree_pos, 3, True, f32, tree=tree, start=start),
+        # a long cache: the slots split among programs (flash-decoding), then merged
+        case("decode, long cache split", 3, 1, 4, 2, 64, 600, torch.tensor([[3], [300], [599]]), None, True, f32),
+        case("block, long cache split, window 200", 2, 16, 6, 2, 48, 640, torch.stack([300 + ar(16), 600 + ar(16)]),
+             200, False, f32),
+        case("tree, long cache split", 2, 13, 4, 2, 64, 640, tree_pos + 500, None, True, f32, tree=tree,
+             start=start + 500),
     ]
     if with_bf16:  # Triton's interpreter multiplies bfloat16 tiles wrongly (tl.dot): the GPU test only
         out += [case("block bfloat16 window", 2, 16, 8, 1, 128, 64, torch.stack([3 + ar(16), 40 + ar(16)]), 20,
@@ -172,7 +178,7 @@ def _interpret(script: str, tmp_path) -> object:
 @pytest.mark.skipif(triton is None, reason="needs Triton")
 def test_the_kernel_sees_what_the_masks_show_in_the_interpreter(tmp_path):
     errs = dict(_interpret(INTERPRETER, tmp_path))
-    assert len(errs) == 6, errs
+    assert len(errs) == 9, errs
     for name, err in errs.items():
         assert err < (2e-2 if "bfloat16" in name else 2e-6), (name, err)
 
@@ -207,7 +213,7 @@ def test_gpu_the_compiled_kernel_sees_what_the_masks_show():
     exec(CASES, scope)
     scope["DEVICE"] = "cuda"
     errs = scope["run_cases"]()
-    assert len(errs) == 8
+    assert len(errs) == 11
     for name, err in errs:
         assert err < (2e-2 if "bfloat16" in name else 2e-5), (name, err)
 
@@ -219,3 +225,10 @@ def test_the_drafters_block_through_the_kernel_gives_the_masks_logits(tmp_path):
     errs = _interpret(STATIC_DRAFTER, tmp_path)
     assert len(errs) == 4
     assert max(errs.values()) < 1e-5, errs
+
+
+def test_the_split_count_is_a_function_of_the_cache_alone():
+    from dflash_lab.spec_decode.fast.attention import MAX_SPLITS, SPLIT_FROM, num_splits
+
+    assert num_splits(SPLIT_FROM - 1) == 1 and num_splits(SPLIT_FROM) > 1
+    assert num_splits(1 << 20) == MAX_SPLITS

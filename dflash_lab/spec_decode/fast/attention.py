@@ -27,7 +27,10 @@ from a mask (slot == position in the static cache):
 
 A program takes one (row, KV head, 16 of the g*Q query rows): the g query heads that share a KV head
 are folded into the rows (as ``gqa_attention`` folds them), so K/V are read once per KV head. It walks
-only the slot blocks between the lowest slot any of its queries sees (the window) and the highest.
+only the slot blocks between the lowest slot any of its queries sees (the window) and the highest. On a
+long cache (``num_splits``: from 512 slots) several programs share that range and a second kernel merges
+their partial maxima, sums and accumulators (flash-decoding), so that a decode step of a few rows does not
+walk a thousand slots in a handful of programs.
 The exponentials run in float32; float32 inputs multiply in IEEE float32 (no TF32).
 
 Off CUDA (and without Triton) ``usable`` is False and the static path keeps the torch route; Triton's
@@ -48,6 +51,7 @@ except ImportError:  # pragma: no cover - depends on the machine
 
 BLOCK_N = 32  # key slots per iteration
 BLOCK_M = 16  # folded query rows per program, whatever Q is: a row's sums never depend on the step's width
+SPLIT_FROM, SPLIT_SLOTS, MAX_SPLITS = 512, 128, 8  # flash-decoding: a long cache's slots shared by programs
 
 
 def usable(q: torch.Tensor) -> bool:
@@ -59,20 +63,44 @@ def usable(q: torch.Tensor) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _gated_attention_kernel(
-        q_ptr, k_ptr, v_ptr, g_ptr, out_ptr, qpos_ptr, start_ptr, anc_ptr,
-        sq_b, sq_q, sq_h, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sg_b, sg_q, so_b, so_q, sa_b, sa_i,
-        NKV, Q, S, window, scale,
-        G: tl.constexpr, HD: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        HAS_WINDOW: tl.constexpr, TREE: tl.constexpr, HAS_GATE: tl.constexpr, PER_HEAD: tl.constexpr,
-        IEEE: tl.constexpr,
-    ):
+    def _rows(G: tl.constexpr, BLOCK_M: tl.constexpr, NKV, Q):
+        """This program's (row b, KV head, query qi, head, row_ok) of its BLOCK_M folded rows."""
         b = tl.program_id(0) // NKV
         kvh = tl.program_id(0) % NKV
         r = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)  # folded rows: query qi, group member gi
-        qi, gi = r // G, r % G
-        row_ok = qi < Q
-        head = kvh * G + gi
+        qi = r // G
+        return b, kvh, qi, kvh * G + r % G, qi < Q
+
+    @triton.jit
+    def _finish(acc, l_i, b, qi, head, row_ok, g_ptr, out_ptr, sg_b, sg_q, so_b, so_q,
+                HD: tl.constexpr, BLOCK_D: tl.constexpr, HAS_GATE: tl.constexpr, PER_HEAD: tl.constexpr):
+        """Normalise, round as SDPA's output is rounded, apply softplus(gate), store (B, Q, H*hd)."""
+        d = tl.arange(0, BLOCK_D)
+        d_ok = d < HD
+        dt = out_ptr.dtype.element_ty
+        out = (acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]).to(dt).to(tl.float32)
+        if HAS_GATE:
+            if PER_HEAD:
+                g = tl.load(g_ptr + b * sg_b + qi * sg_q + head, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+            else:
+                g = tl.load(g_ptr + b * sg_b + qi[:, None] * sg_q + head[:, None] * HD + d[None, :],
+                            mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+            e = tl.exp(tl.minimum(g, 20.0))
+            gate = tl.where(g > 20.0, g, tl.where(e < 1e-4, e - 0.5 * e * e, tl.log(1.0 + e)))  # softplus (log1p)
+            out = out * gate.to(dt).to(tl.float32)
+        tl.store(out_ptr + b * so_b + qi[:, None] * so_q + head[:, None] * HD + d[None, :], out.to(dt),
+                 mask=row_ok[:, None] & d_ok[None, :])
+
+    @triton.jit
+    def _gated_attention_kernel(
+        q_ptr, k_ptr, v_ptr, g_ptr, out_ptr, qpos_ptr, start_ptr, anc_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
+        sq_b, sq_q, sq_h, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, sg_b, sg_q, so_b, so_q, sa_b, sa_i,
+        NKV, Q, S, window, scale,
+        G: tl.constexpr, HD: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr, TREE: tl.constexpr, HAS_GATE: tl.constexpr,
+        PER_HEAD: tl.constexpr, IEEE: tl.constexpr,
+    ):
+        b, kvh, qi, head, row_ok = _rows(G, BLOCK_M, NKV, Q)
         d = tl.arange(0, BLOCK_D)
         d_ok = d < HD
         q = tl.load(q_ptr + b * sq_b + qi[:, None] * sq_q + head[:, None] * sq_h + d[None, :],
@@ -89,12 +117,17 @@ if triton is not None:
             lo = tl.maximum(tl.min(tl.where(row_ok, qpos, 2147483647), axis=0) - window + 1, 0)
             lo = (lo // BLOCK_N) * BLOCK_N
         hi = tl.minimum(hi, S)
+        end = hi
+        if SPLITS > 1:  # this program's share of the slot blocks (flash-decoding): whole blocks each
+            chunk = ((hi - lo + SPLITS - 1) // SPLITS + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+            lo = lo + tl.program_id(2) * chunk
+            end = tl.minimum(lo + chunk, hi)
         m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
         l_i = tl.zeros((BLOCK_M,), tl.float32)
         acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
         k_base = k_ptr + b * sk_b + kvh * sk_h
         v_base = v_ptr + b * sv_b + kvh * sv_h
-        for s0 in range(lo, hi, BLOCK_N):
+        for s0 in range(lo, end, BLOCK_N):
             s = s0 + tl.arange(0, BLOCK_N)
             s_ok = s < hi
             k = tl.load(k_base + s[:, None] * sk_s + d[None, :], mask=s_ok[:, None] & d_ok[None, :], other=0.0)
@@ -127,19 +160,38 @@ if triton is not None:
             else:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
-        dt = out_ptr.dtype.element_ty
-        out = (acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]).to(dt).to(tl.float32)  # SDPA's output, rounded
-        if HAS_GATE:
-            if PER_HEAD:
-                g = tl.load(g_ptr + b * sg_b + qi * sg_q + head, mask=row_ok, other=0.0).to(tl.float32)[:, None]
-            else:
-                g = tl.load(g_ptr + b * sg_b + qi[:, None] * sg_q + head[:, None] * HD + d[None, :],
-                            mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-            e = tl.exp(tl.minimum(g, 20.0))
-            gate = tl.where(g > 20.0, g, tl.where(e < 1e-4, e - 0.5 * e * e, tl.log(1.0 + e)))  # softplus (log1p)
-            out = out * gate.to(dt).to(tl.float32)
-        tl.store(out_ptr + b * so_b + qi[:, None] * so_q + head[:, None] * HD + d[None, :], out.to(dt),
-                 mask=row_ok[:, None] & d_ok[None, :])
+        if SPLITS > 1:  # the partial (max, sum, accumulator) for ``_combine_kernel``
+            part = ((tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * SPLITS + tl.program_id(2)).to(
+                tl.int64) * BLOCK_M
+            rows = part + tl.arange(0, BLOCK_M)
+            tl.store(part_m_ptr + rows, m_i)
+            tl.store(part_l_ptr + rows, l_i)
+            tl.store(part_acc_ptr + rows[:, None] * BLOCK_D + d[None, :], acc)
+        else:
+            _finish(acc, l_i, b, qi, head, row_ok, g_ptr, out_ptr, sg_b, sg_q, so_b, so_q,
+                    HD, BLOCK_D, HAS_GATE, PER_HEAD)
+
+    @triton.jit
+    def _combine_kernel(g_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, sg_b, sg_q, so_b, so_q, NKV, Q,
+                        G: tl.constexpr, HD: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                        SPLITS: tl.constexpr, HAS_GATE: tl.constexpr, PER_HEAD: tl.constexpr):
+        """The splits of one program's rows merged: each rescaled to the largest max, then summed."""
+        b, kvh, qi, head, row_ok = _rows(G, BLOCK_M, NKV, Q)
+        d = tl.arange(0, BLOCK_D)
+        first = (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)).to(tl.int64) * SPLITS * BLOCK_M
+        m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+        for sp in tl.static_range(SPLITS):
+            m = tl.maximum(m, tl.load(part_m_ptr + first + sp * BLOCK_M + tl.arange(0, BLOCK_M)))
+        m_safe = tl.where(m == float("-inf"), 0.0, m)
+        l_i = tl.zeros((BLOCK_M,), tl.float32)
+        acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+        for sp in tl.static_range(SPLITS):
+            rows = first + sp * BLOCK_M + tl.arange(0, BLOCK_M)
+            w = tl.exp(tl.load(part_m_ptr + rows) - m_safe)  # 0 for a split that saw nothing
+            l_i += w * tl.load(part_l_ptr + rows)
+            acc += w[:, None] * tl.load(part_acc_ptr + rows[:, None] * BLOCK_D + d[None, :])
+        _finish(acc, l_i, b, qi, head, row_ok, g_ptr, out_ptr, sg_b, sg_q, so_b, so_q,
+                HD, BLOCK_D, HAS_GATE, PER_HEAD)
 
 
 def gated_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor | None, qpos: torch.Tensor,
@@ -166,18 +218,34 @@ def gated_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: tor
     start = tree_start.to(torch.int32).contiguous() if tree else qpos  # no copy when it is so already
     anc = ancestors.view(torch.uint8) if tree else qpos
     g = q if gate is None else gate
-    grid = (B * nkv, triton.cdiv(G * Q, BLOCK_M))
+    splits = num_splits(S)
+    grid = (B * nkv, triton.cdiv(G * Q, BLOCK_M), splits)
+    block_d = triton.next_power_of_2(hd)
+    parts = grid[0] * grid[1] * splits * BLOCK_M if splits > 1 else 1
+    part_m, part_l = (torch.empty(parts, device=q.device, dtype=torch.float32) for _ in range(2))
+    part_acc = torch.empty((parts, block_d) if splits > 1 else (1,), device=q.device, dtype=torch.float32)
     _gated_attention_kernel[grid](
-        q, k, v, g, out, qpos, start, anc,
+        q, k, v, g, out, qpos, start, anc, part_m, part_l, part_acc,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), g.stride(0), g.stride(1), out.stride(0), out.stride(1),
         anc.stride(0) if tree else 0, anc.stride(1) if tree else 0,
         nkv, Q, S, window or 0, float(scale),
-        G=G, HD=hd, BLOCK_D=triton.next_power_of_2(hd), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        G=G, HD=hd, BLOCK_D=block_d, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, SPLITS=splits,
         HAS_WINDOW=window is not None, TREE=tree, HAS_GATE=gate is not None, PER_HEAD=per_head,
         IEEE=q.dtype == torch.float32,
     )
+    if splits > 1:
+        _combine_kernel[grid[:2]](g, out, part_m, part_l, part_acc, g.stride(0), g.stride(1), out.stride(0),
+                                  out.stride(1), nkv, Q, G=G, HD=hd, BLOCK_D=block_d, BLOCK_M=BLOCK_M,
+                                  SPLITS=splits, HAS_GATE=gate is not None, PER_HEAD=per_head)
     return out
+
+
+def num_splits(slots: int) -> int:
+    """How many programs share one row's slot range: 1 below ``SPLIT_FROM`` slots (a short cache is read in a
+    few iterations), else one per ``SPLIT_SLOTS`` slots, at most ``MAX_SPLITS``. A function of the cache's
+    capacity only, so a row's sums do not depend on the batch or the step's width."""
+    return 1 if slots < SPLIT_FROM else min(MAX_SPLITS, slots // SPLIT_SLOTS)
 
 
 def slot_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor | None, visibility,
