@@ -407,6 +407,7 @@ def test_serving_records_are_the_timing_records_with_vllm_bench_serves_latencies
     for r in records:
         assert r["outputs_equal_target_only"] == "5/5" and r["requests"] == 5 and len(r["request_steps"]) == 5
         assert r["tokens"] == 30 and r["p99_e2el_ms"] >= r["median_e2el_ms"] > 0
+        assert 1 <= r["bursts"] <= r["batch_steps"] and r["fills"] >= 1  # every burst launched at least a step
         if r["batching"] == "static":
             assert r["static_batch_steps"] == [max(r["request_steps"][i:i + 2]) for i in (0, 2, 4)]
             assert r["batch_steps"] == sum(r["static_batch_steps"])
@@ -418,6 +419,22 @@ def test_serving_records_are_the_timing_records_with_vllm_bench_serves_latencies
                            "prompt_sets": ["heldout"], "records": records, "phases": {}})
     rows = [line for line in md.splitlines() if line.startswith("| 2 | static |")]
     assert len(rows) == 3 and "| 1.00x |" in next(r for r in rows if "target_only" in r)
+    from dflash_lab.measure.serving import time_split
+
+    # the time split: batch steps at the phase-timed step, the rest outside; static runs and untimed blocks left out
+    step_ms = {"target_only": 2.0, "dflash": 5.0}
+    phases = {str(c): {m: {"block_size": 1 if m == "target_only" else 4, "whole_step_ms": ms}
+                       for m, ms in step_ms.items()} for c in (1, 2)}
+    split = time_split({"records": records, "phases": phases})
+    assert {(r["method"], r["batch"]) for r in split} == {(m, c) for m in step_ms for c in (1, 2)}
+    for row in split:
+        rec = next(r for r in records if r["method"] == row["method"] and r["batch"] == row["batch"]
+                   and r["batching"] == "continuous")
+        assert row["in_steps_s"] == pytest.approx(rec["batch_steps"] * step_ms[row["method"]] / 1e3, abs=1e-4)
+        assert row["in_steps_s"] + row["outside_s"] == pytest.approx(rec["seconds"], abs=2e-4)
+        assert row["occupancy"] == pytest.approx(sum(rec["request_steps"]) / (row["batch"] * rec["batch_steps"]),
+                                                 abs=1e-3)
+        assert 0 < row["occupancy"] <= 1
 
 
 @pytest.mark.gpu

@@ -151,7 +151,8 @@ gen = torch.Generator().manual_seed(0)
 out = {}
 with torch.no_grad():
     for name, drafter in (("paper, non-causal", paper), ("paper, non-causal, window 6", with_window(paper, 6)),
-                          ("poolside, causal, window 64", poolside), ("poolside, causal, window 5", with_window(poolside, 5))):
+                          ("poolside, causal, window 64", poolside),
+                          ("poolside, causal, window 5", with_window(poolside, 5))):
         sd = StaticDrafter(drafter, target, batch=2, capacity=112, block_size=16)
         sd.kv.k.copy_(torch.randn(sd.kv.k.shape, generator=gen))
         sd.kv.v.copy_(torch.randn(sd.kv.v.shape, generator=gen))

@@ -146,3 +146,23 @@ def best_blocks(records, batching: str = "continuous") -> dict:
         if k not in best or r["tokens_per_s"] > best[k]["tokens_per_s"]:
             best[k] = r
     return best
+
+
+def time_split(record: dict, prompt_set: str = "heldout") -> list[dict]:
+    """Where each continuous run's wall time went, for the methods and blocks the record's ``phases`` timed:
+    its batch steps at the whole step's graphed time, and the rest (refills, the host's reads of the rows'
+    state and its decisions). occupancy: the share of row-steps that served a live request."""
+    phases, out = record.get("phases", {}), []
+    for r in record["records"]:
+        p = phases.get(str(r["batch"]), {}).get(r["method"])
+        if (r["batching"] != "continuous" or r.get("schedule") or r.get("prompt_set", "heldout") != prompt_set
+                or not p or p["block_size"] != r["block_size"]):
+            continue
+        in_steps = r["batch_steps"] * p["whole_step_ms"] / 1e3
+        out.append({"method": r["method"], "batch": r["batch"], "block_size": r["block_size"],
+                    "seconds": r["seconds"], "in_steps_s": round(in_steps, 4),
+                    "outside_s": round(r["seconds"] - in_steps, 4),
+                    "outside_ms_per_request": round(1e3 * (r["seconds"] - in_steps) / r["requests"], 3),
+                    "occupancy": round(sum(r["request_steps"]) / (r["batch"] * r["batch_steps"]), 3),
+                    "bursts": r.get("bursts")})
+    return sorted(out, key=lambda row: (row["batch"], row["method"]))

@@ -53,7 +53,7 @@ from dflash_lab.viz.training import plot_training_log, read_training_log
 from dflash_lab.viz.speed import speedup_vs_tau_figure, step_time_figure  # noqa: F401  (chapter 5: measured speed)
 from dflash_lab.viz.training_live import drafter_comparison_figure, live_training_figure, update_live_training_figure
 from dflash_lab.viz.verification import tau_interval_figure, verification_rates_figure
-from dflash_lab.viz.serving import serving_speedup_figure, straggler_figure
+from dflash_lab.viz.serving import serving_speedup_figure, serving_time_figure, straggler_figure
 from dflash_lab.viz.tree import (draft_tree_figure, tau_vs_budget_figure, tree_data, tree_speed_figure, tree_speedups,
                                  where_tree_stops_paying)
 

@@ -1,6 +1,7 @@
 """Chapter 8: serving a request stream — the straggler effect, static against continuous batching.
 
-Both functions take plain numbers (steps per request, timing records of ``measure.serving``) and draw them.
+Every function takes plain numbers (steps per request, timing records of ``measure.serving``, its
+``time_split`` rows) and draws them.
 """
 
 from __future__ import annotations
@@ -76,3 +77,24 @@ def _bound(rows, phases: dict, method: str) -> dict:
 
 def _color(method: str) -> str:
     return COLORS.get(method, PALETTE["purple"])
+
+
+def serving_time_figure(rows, *, title: str | None = None) -> go.Figure:
+    """``measure.serving.time_split`` rows: each run's seconds stacked as time in batch steps (solid) and time
+    outside them (hatched), one bar per method, grouped by concurrency (each bar relative to its run)."""
+    fig = go.Figure()
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    for method in methods:
+        mine = [r for r in rows if r["method"] == method]
+        x = [f"c = {r['batch']}" for r in mine]
+        color = COLORS.get(method, PALETTE["grey"])
+        for part, pattern in (("in_steps_s", ""), ("outside_s", "/")):
+            fig.add_trace(go.Bar(x=x, y=[100 * r[part] / r["seconds"] for r in mine], offsetgroup=method,
+                                 name=f"{method}: {'in batch steps' if part == 'in_steps_s' else 'outside them'}",
+                                 marker=dict(color=color, pattern_shape=pattern),
+                                 customdata=[[r["seconds"], r["occupancy"]] for r in mine],
+                                 hovertemplate="%{y:.0f} % of %{customdata[0]:.3f} s; rows busy "
+                                               "%{customdata[1]:.0%}<extra></extra>"))
+    fig.update_layout(barmode="relative", yaxis_title="% of the run's wall time", xaxis_title="concurrency",
+                      legend=dict(orientation="h", y=-0.3))
+    return titled(fig, title or "Where a served run's time goes", height=380)

@@ -31,7 +31,7 @@ import torch
 from dflash_lab import viz, widgets
 from dflash_lab.assets import default_device, heldout_prompts, load_default_pair, record_note
 from dflash_lab.measure.decoding import measurements_from_record
-from dflash_lab.measure.serving import request_stream
+from dflash_lab.measure.serving import request_stream, time_split
 from dflash_lab.runtime import BENCHMARKS_DIR, REPO_ROOT, device_name, drafter_path, seed_everything
 from dflash_lab.spec_decode.fast.decoder import FastDecoder
 from dflash_lab.spec_decode.fast.serving import serve
@@ -134,6 +134,37 @@ for c in sorted({r["batch"] for r in records}):
         line += (f"; step {step['dflash']['whole_step_ms']:.3f} ms vs target-only "
                  f"{step['target_only']['whole_step_ms']:.3f} ms")
     print(line)
+
+# %% [markdown]
+# Where does a served run's time go? A continuous run's wall time is its batch steps (their count
+# times the whole step's graphed time, from the phases) plus everything else: the refills (each its
+# own prefill) and the host reading the rows' state and deciding the next burst of steps.
+# `measure.serving.time_split` does that arithmetic on a record; here on the latest continuous run
+# (`benchmarks/spec_decode_serving_continuous.json` where it is committed, else the record above).
+
+# %%
+split_path = BENCHMARKS_DIR / "spec_decode_serving_continuous.json"
+split_record = json.loads(split_path.read_text()) if split_path.exists() else record
+split_note = record_note(split_record)
+print(f"device {split_record['device']}; {split_record['command']}" + (f"\nwhose numbers: {split_note}" if split_note
+                                                                       else ""))
+split = time_split(split_record)
+for r in split:
+    print(f"concurrency {r['batch']:>2} {r['method']:<16} block {r['block_size']:>2}: {r['seconds']:.3f} s, "
+          f"{r['in_steps_s']:.3f} in batch steps, {r['outside_s']:.3f} outside "
+          f"({r['outside_ms_per_request']:.2f} ms a request); rows busy {r['occupancy']:.0%}")
+share = {(r["method"], r["batch"]): r["outside_s"] / r["seconds"] for r in split}
+for c in sorted({r["batch"] for r in split if r["batch"] > 1}):
+    if ("dflash", c) in share and ("target_only", c) in share:
+        print(f"outside the batch steps at concurrency {c}: DFlash {share['dflash', c]:.0%} of its run, "
+              f"target-only {share['target_only', c]:.0%}")
+viz.serving_time_figure(split, title=f"Where a served run's time goes ({split_record['device']})")
+
+# %% [markdown]
+# The time outside the steps is per request (a refill, a result read back) and per burst (a read of
+# the rows' state, a decision). DFlash finishes a request in about a sixth of target-only's steps, so
+# the same per-request cost is a six times larger share of its run. vLLM hides such costs with
+# asynchronous scheduling and by preparing the next step's inputs while the current one runs.
 
 # %%
 rec32 = best("dflash", 32, "static")

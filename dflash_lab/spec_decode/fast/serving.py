@@ -74,6 +74,7 @@ class ServeRun:
     fills: int  # prefill calls (several rows may share one)
     stats: SpecDecodeStats = field(repr=False)
     widths: dict[int, int] = field(default_factory=dict)  # step width (K + 1) -> batch steps run at it
+    bursts: int = 0  # host decisions that launched steps: each follows a read of the rows' state
 
     @property
     def tokens(self) -> int:
@@ -87,6 +88,7 @@ class ServeRun:
         """``vllm bench serve``'s summary: throughputs, and mean / median / p99 of TTFT, TPOT and E2EL in ms."""
         out = {"policy": self.policy, "concurrency": self.concurrency, "requests": len(self.requests),
                "tokens": self.tokens, "seconds": round(self.seconds, 4), "batch_steps": self.steps,
+               "bursts": self.bursts, "fills": self.fills,
                "request_throughput": round(len(self.requests) / self.seconds, 3),
                "output_throughput": round(self.tokens / self.seconds, 1)}
         series = {"ttft": [r.first_token_s for r in self.requests],
@@ -135,7 +137,7 @@ def serve(decoder: FastDecoder, prompts, *, max_new_tokens, stop_token_ids=(), p
     admitted: dict[int, tuple] = {}  # request index -> (launched, its prefill's end: a device event on CUDA)
     seqs: dict[int, list[int]] = {}  # host drafting: live row -> its tokens
     done: list[tuple] = []  # (request, row, result, finished)
-    steps = fills = 0
+    steps = fills = bursts = 0
     widths: dict[int, int] = {}  # step width -> batch steps run at it
     clock = _Clock(device)  # no sync for a first token's time: an event on CUDA
     stale = False  # host drafting: seqs behind the device after steps without drafts (a schedule's K = 0)
@@ -199,12 +201,13 @@ def serve(decoder: FastDecoder, prompts, *, max_new_tokens, stop_token_ids=(), p
             peek.launch(width)  # the state after k - 1 steps, copied back while the k-th runs
             step()
         steps += k
+        bursts += 1
         widths[width] = widths.get(width, 0) + k
     seconds = clock.host(sync=True)
     requests = sorted((Request(i, b, result, admitted[i][0], clock.resolve(admitted[i][1]), finished)
                        for i, b, result, finished in done), key=lambda r: r.index)
     return ServeRun(policy, decoder.batch, requests, seconds, steps, fills,
-                    sum((r.result.stats for r in requests), SpecDecodeStats()), widths)
+                    sum((r.result.stats for r in requests), SpecDecodeStats()), widths, bursts)
 
 
 class _Peek:
