@@ -95,3 +95,23 @@ def make_drafter(drafter_config_dict):
 import os  # noqa: E402
 
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+
+@pytest.fixture
+def interpreted(tmp_path):
+    """Run a script in Triton's CPU interpreter (a subprocess with TRITON_INTERPRET=1, the fused switch on, from
+    the repository root) and return the JSON its last line prints."""
+    import json
+    import subprocess
+    import sys
+
+    def run(script: str, name: str = "interpreted.py"):
+        path = tmp_path / name
+        path.write_text(script)
+        env = dict(os.environ, TRITON_INTERPRET="1", DFLASH_LAB_FUSED="1")
+        proc = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, env=env, timeout=600,
+                              cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    return run

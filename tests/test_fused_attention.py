@@ -10,11 +10,6 @@ On a GPU the compiled kernel is checked the same way (marked ``gpu``).
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -22,8 +17,6 @@ try:
     import triton
 except ImportError:  # pragma: no cover
     triton = None
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 CASES = r"""
 import torch
@@ -166,30 +159,20 @@ print(json.dumps(out))
 """
 
 
-def _interpret(script: str, tmp_path) -> object:
-    path = tmp_path / "script.py"
-    path.write_text(script)
-    env = dict(os.environ, TRITON_INTERPRET="1", DFLASH_LAB_FUSED="1")
-    proc = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, env=env, timeout=600,
-                          cwd=ROOT)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
 @pytest.mark.skipif(triton is None, reason="needs Triton")
-def test_the_kernel_sees_what_the_masks_show_in_the_interpreter(tmp_path):
-    errs = dict(_interpret(INTERPRETER, tmp_path))
+def test_the_kernel_sees_what_the_masks_show_in_the_interpreter(interpreted):
+    errs = dict(interpreted(INTERPRETER))
     assert len(errs) == 9, errs
     for name, err in errs.items():
         assert err < (2e-2 if "bfloat16" in name else 2e-6), (name, err)
 
 
 @pytest.mark.skipif(triton is None, reason="needs Triton")
-def test_a_static_target_with_the_kernel_gives_the_masks_logits(tmp_path):
+def test_a_static_target_with_the_kernel_gives_the_masks_logits(interpreted):
     """Laguna-XS.2's layer pattern (dense first layer, 1 full : 3 sliding, per-layer heads): a prefill, a block
     and a tree, float32, kernel on against kernel off; and the prefill, with every kernel of the static path
     (norms, RoPE, attention, router, SiLU-and-multiply), against transformers' forward."""
-    errs = _interpret(STATIC_TARGET, tmp_path)
+    errs = interpreted(STATIC_TARGET)
     assert set(errs) == {"prefill", "block", "tree", "prefill against transformers"}
     assert max(errs.values()) < 1e-5, errs
 
@@ -220,10 +203,10 @@ def test_gpu_the_compiled_kernel_sees_what_the_masks_show():
 
 
 @pytest.mark.skipif(triton is None, reason="needs Triton")
-def test_the_drafters_block_through_the_kernel_gives_the_masks_logits(tmp_path):
+def test_the_drafters_block_through_the_kernel_gives_the_masks_logits(interpreted):
     """Both shipped drafters' blocks over their context slots (``SlotVisibility``): non-causal (the paper's) and
     causal (the Poolside-style), each also under a window narrower than the block, float32, kernel on and off."""
-    errs = _interpret(STATIC_DRAFTER, tmp_path)
+    errs = interpreted(STATIC_DRAFTER)
     assert len(errs) == 4
     assert max(errs.values()) < 1e-5, errs
 

@@ -8,10 +8,6 @@ interpreter.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from types import SimpleNamespace
 
 import pytest
@@ -106,15 +102,9 @@ print(json.dumps(errs))
 
 
 @pytest.mark.skipif(triton is None, reason="needs Triton")
-def test_the_kernel_in_the_triton_interpreter(tmp_path):
+def test_the_kernel_in_the_triton_interpreter(interpreted):
     """The real kernel source (K not a multiple of its tile, N_out not a multiple of its tile), on the CPU."""
-    script = tmp_path / "moe_interp.py"
-    script.write_text(INTERPRETER_SCRIPT)
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300,
-                          cwd=os.path.dirname(os.path.dirname(__file__)))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    errs = json.loads(proc.stdout.strip().splitlines()[-1])
+    errs = interpreted(INTERPRETER_SCRIPT)
     assert len(errs) == 3 and max(errs) < 1e-5
 
 
@@ -179,17 +169,11 @@ print(json.dumps(out))
 
 
 @pytest.mark.skipif(triton is None, reason="needs Triton")
-def test_the_router_kernel_picks_the_experts_route_picks(tmp_path):
+def test_the_router_kernel_picks_the_experts_route_picks(interpreted):
     """Laguna's router in one kernel, in Triton's interpreter: the same experts in the same order as
     ``static_target.route`` (XS.2's 256 experts top-8 in bf16, a non-power-of-two count, k = 1, k = E), and
     the same renormalised weights, in the model's dtype; and the MLPs' SiLU-and-multiply kernel."""
-    script = tmp_path / "router_interp.py"
-    script.write_text(ROUTER_SCRIPT)
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300,
-                          cwd=os.path.dirname(os.path.dirname(__file__)))
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = json.loads(proc.stdout.strip().splitlines()[-1])
+    rows = interpreted(ROUTER_SCRIPT)
     assert len(rows) == 5 and rows[-1][2] == "silu_mul"
     for same, err, dtype in rows:
         assert same and err < (1e-2 if "bfloat16" in dtype else 1e-6), rows
