@@ -164,6 +164,17 @@ from dflash_lab.spec_decode.fast.triton_ops import act_mul
 gu = torch.randn(5, 2 * 40 + 3, generator=g)[:, 3:]  # rows strided, as the shared expert's slice is
 ref = torch.nn.functional.silu(gu[:, :40]) * gu[:, 40:]
 out.append([True, ((act_mul(torch.nn.SiLU(), gu) - ref).abs().max() / ref.abs().max()).item(), "silu_mul"])
+from dflash_lab.spec_decode.fast.triton_ops import write_kv
+qkv = torch.randn(2, 3, 4 * 16 + 2 * 2 * 16, generator=g)  # q | k | v of a projection: strided slices
+k, v = qkv[..., 64:96].view(2, 3, 2, 16), qkv[..., 96:].view(2, 3, 2, 16)
+pos = torch.tensor([[4, 5, 6], [9, 10, 11]])
+ck, cv = torch.zeros(2, 2, 12, 16), torch.zeros(2, 2, 12, 16)
+write_kv(ck, cv, k, v, pos)
+rk, rv = torch.zeros_like(ck), torch.zeros_like(cv)
+for b in range(2):
+    for j in range(3):
+        rk[b, :, pos[b, j]], rv[b, :, pos[b, j]] = k[b, j], v[b, j]
+out.append([bool(torch.equal(ck, rk) and torch.equal(cv, rv)), 0.0, "write_kv"])
 print(json.dumps(out))
 """
 
@@ -172,8 +183,9 @@ print(json.dumps(out))
 def test_the_router_kernel_picks_the_experts_route_picks(interpreted):
     """Laguna's router in one kernel, in Triton's interpreter: the same experts in the same order as
     ``static_target.route`` (XS.2's 256 experts top-8 in bf16, a non-power-of-two count, k = 1, k = E), and
-    the same renormalised weights, in the model's dtype; and the MLPs' SiLU-and-multiply kernel."""
+    the same renormalised weights, in the model's dtype; the MLPs' SiLU-and-multiply kernel; and the K/V write
+    into cache slots from strided projection slices."""
     rows = interpreted(ROUTER_SCRIPT)
-    assert len(rows) == 5 and rows[-1][2] == "silu_mul"
+    assert len(rows) == 6 and [r[2] for r in rows[-2:]] == ["silu_mul", "write_kv"]
     for same, err, dtype in rows:
         assert same and err < (1e-2 if "bfloat16" in dtype else 1e-6), rows

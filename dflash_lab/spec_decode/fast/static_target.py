@@ -6,7 +6,7 @@ CUDA graph cannot capture it (capture fails on a host-to-device copy). This is
 the same computation, written so that it can be captured and replayed:
 
     KV cache     one (batch, nkv, S, hd) tensor per layer, allocated once; a forward
-                 writes its tokens' K/V at slot == position (``scatter_``), so a
+                 writes its tokens' K/V at slot == position (``triton_ops.write_kv``), so a
                  rejected draft needs no crop: its slots are overwritten by the
                  next block before any query can see them (queries see slots <= own
                  position, and every such slot was written by an accepted token or
@@ -93,17 +93,6 @@ def resolve_moe(moe: str, device: torch.device, dtype: torch.dtype) -> str:
 
 def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
-
-
-# ---------------------------------------------------------------------------
-# Attention over a static cache
-# ---------------------------------------------------------------------------
-
-
-def write_slots(cache: torch.Tensor, new: torch.Tensor, positions: torch.Tensor) -> None:
-    """cache (B, nkv, S, hd)[b, :, positions[b, j]] = new (B, Q, nkv, hd)[b, j], on the device."""
-    B, Q, nkv, hd = new.shape
-    cache.scatter_(2, positions[:, None, :, None].expand(B, nkv, Q, hd), new.transpose(1, 2))
 
 
 # ---------------------------------------------------------------------------
@@ -210,8 +199,7 @@ class StaticTarget:
         k = triton_ops.norm_rope(a.k_norm, k, cos, sin, k.shape[-1] // a.head_dim, a.head_dim)  # (B, Q, nkv, hd)
         cache_k, cache_v = self.cache[i]
         if rows is None:
-            write_slots(cache_k, k, positions)
-            write_slots(cache_v, v.view(B, Q, -1, a.head_dim), positions)
+            triton_ops.write_kv(cache_k, cache_v, k, v.view(B, Q, -1, a.head_dim), positions)
         else:  # a prefill of some rows from position 0: it sees only its own keys, then they go to the rows' slots
             cache_k, cache_v = k.transpose(1, 2), v.view(B, Q, -1, a.head_dim).transpose(1, 2)  # (B, nkv, Q, hd)
             self.cache[i][0][:, :, :Q].index_copy_(0, rows, cache_k)

@@ -7,6 +7,7 @@ followed by partial RoPE ~26 per attention layer. Each becomes one kernel here:
 
     rms_norm(x, weight, eps)                   weight * round(x * rsqrt(mean(x^2) + eps))
     silu_mul(gate_up)                          round(silu(gate)) * up, the MLPs' activation (``act_mul``)
+    write_kv(cache_k, cache_v, k, v, positions) a step's K and V into their cache slots, one launch
     head_norm_rope(q, k, wq, wk, cos, sin, eps) q/k head norms, then rotate_half RoPE on the
                                                 first rotary_dim channels, both in one launch
 
@@ -110,6 +111,36 @@ if triton is not None:
         dt = out_ptr.dtype.element_ty
         a = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)  # silu, rounded to the dtype as torch's is
         tl.store(out_ptr + row * I + col, (a * u).to(dt), mask=m)
+
+
+    @triton.jit
+    def _write_kv_kernel(k_ptr, v_ptr, ck_ptr, cv_ptr, pos_ptr, Q, NKV, sk_b, sk_q, sk_h, sv_b, sv_q, sv_h,
+                         sc_b, sc_h, sc_s, HD: tl.constexpr, BLOCK_D: tl.constexpr):
+        t = tl.program_id(0)  # token b * Q + j
+        h = tl.program_id(1)
+        b, j = t // Q, t % Q
+        slot = tl.load(pos_ptr + t).to(tl.int64)
+        d = tl.arange(0, BLOCK_D)
+        m = d < HD
+        dst = b.to(tl.int64) * sc_b + h * sc_h + slot * sc_s + d
+        tl.store(ck_ptr + dst, tl.load(k_ptr + b * sk_b + j * sk_q + h * sk_h + d, mask=m), mask=m)
+        tl.store(cv_ptr + dst, tl.load(v_ptr + b * sv_b + j * sv_q + h * sv_h + d, mask=m), mask=m)
+
+
+def write_kv(cache_k: torch.Tensor, cache_v: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             positions: torch.Tensor) -> None:
+    """cache_k/v (B, nkv, S, hd)[b, :, positions[b, j]] = k/v (B, Q, nkv, hd)[b, j]: both in one kernel where
+    ``enabled`` (k and v may be strided slices; the caches share their strides), else two scatters."""
+    B, Q, nkv, hd = k.shape
+    if not enabled(k) or k.stride(-1) != 1 or v.stride(-1) != 1 or cache_k.stride() != cache_v.stride():
+        index = positions[:, None, :, None].expand(B, nkv, Q, hd)
+        cache_k.scatter_(2, index, k.transpose(1, 2))
+        cache_v.scatter_(2, index, v.transpose(1, 2))
+        return
+    pos = positions.contiguous()
+    _write_kv_kernel[(B * Q, nkv)](k, v, cache_k, cache_v, pos, Q, nkv, k.stride(0), k.stride(1), k.stride(2),
+                                   v.stride(0), v.stride(1), v.stride(2), cache_k.stride(0), cache_k.stride(1),
+                                   cache_k.stride(2), HD=hd, BLOCK_D=triton.next_power_of_2(hd))
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
