@@ -64,6 +64,12 @@ def interpreting() -> bool:
     return triton is not None and type(_knorm_rope_split_kernel).__name__ == "InterpretedFunction"
 
 
+def runs_here(x: torch.Tensor) -> bool:
+    """Whether the lab's Triton kernels serve tensor ``x`` under the switch: Triton installed, $DFLASH_LAB_FUSED
+    on, and ``x`` on CUDA (or on the CPU inside Triton's interpreter). The static path's kernels ask this."""
+    return triton is not None and fused_enabled() and (x.is_cuda or interpreting())
+
+
 def fused_available(t: torch.Tensor | None = None, fused: bool | None = None) -> bool:
     """Whether the fused Triton epilogue should run on tensor ``t``.
 
@@ -290,6 +296,6 @@ def epilogue_bytes(n: int, n_layers: int, nkv: int, hd: int, dtype: torch.dtype)
 
 
 __all__ = [
-    "ENV_SWITCH", "fused_enabled", "fused_available", "interpreting",
+    "ENV_SWITCH", "fused_enabled", "fused_available", "interpreting", "runs_here",
     "row_rstd", "knorm_rope_split", "folded_context_kv", "epilogue_bytes",
 ]

@@ -56,8 +56,7 @@ SPLIT_FROM, SPLIT_SLOTS, MAX_SPLITS = 512, 128, 8  # flash-decoding: a long cach
 
 def usable(q: torch.Tensor) -> bool:
     """Whether ``gated_attention`` runs for these queries (CUDA, or Triton's interpreter; the fused switch on)."""
-    return (triton is not None and kernels.fused_enabled() and (q.is_cuda or kernels.interpreting())
-            and q.dtype in (torch.float32, torch.float16, torch.bfloat16))
+    return kernels.runs_here(q) and q.dtype in (torch.float32, torch.float16, torch.bfloat16)
 
 
 if triton is not None:
@@ -221,9 +220,12 @@ def gated_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: tor
     splits = num_splits(S)
     grid = (B * nkv, triton.cdiv(G * Q, BLOCK_M), splits)
     block_d = triton.next_power_of_2(hd)
-    parts = grid[0] * grid[1] * splits * BLOCK_M if splits > 1 else 1
-    part_m, part_l = (torch.empty(parts, device=q.device, dtype=torch.float32) for _ in range(2))
-    part_acc = torch.empty((parts, block_d) if splits > 1 else (1,), device=q.device, dtype=torch.float32)
+    if splits > 1:  # each program's partial (max, sum, accumulator) for the merge
+        parts = grid[0] * grid[1] * splits * BLOCK_M
+        part_m, part_l = (torch.empty(parts, device=q.device, dtype=torch.float32) for _ in range(2))
+        part_acc = torch.empty((parts, block_d), device=q.device, dtype=torch.float32)
+    else:  # never read: the kernel finishes in place
+        part_m = part_l = part_acc = out
     _gated_attention_kernel[grid](
         q, k, v, g, out, qpos, start, anc, part_m, part_l, part_acc,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import torch
 
-from ... import context_kv_kernel as kernels
 from . import triton_ops
 
 try:  # Triton is a GPU-side extra
@@ -166,8 +165,7 @@ if triton is not None:
 
 def route_runs(logits: torch.Tensor, router) -> bool:
     """Whether ``fused_route`` serves this router: CUDA or Triton's interpreter, no logit softcapping."""
-    return (triton is not None and kernels.fused_enabled() and (logits.is_cuda or kernels.interpreting())
-            and not (getattr(router, "router_logit_softcapping", 0.0) or 0.0) > 0)
+    return triton_ops.enabled(logits) and not (getattr(router, "router_logit_softcapping", 0.0) or 0.0) > 0
 
 
 def fused_route(logits: torch.Tensor, bias: torch.Tensor, top_k: int, dtype: torch.dtype):

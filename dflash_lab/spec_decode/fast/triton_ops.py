@@ -40,8 +40,7 @@ except ImportError:  # pragma: no cover - depends on the machine
     triton = None
 
 
-def enabled(x: torch.Tensor) -> bool:
-    return triton is not None and kernels.fused_enabled() and (x.is_cuda or kernels.interpreting())
+enabled = kernels.runs_here  # CUDA (or the interpreter), Triton installed, the fused switch on
 
 
 if triton is not None:
