@@ -189,8 +189,9 @@ def kernel_runs(x: torch.Tensor) -> bool:
 
 
 def gathered_experts(experts, x: torch.Tensor, selected: torch.Tensor, weights: torch.Tensor, *,
-                     kernel: bool | None = None) -> torch.Tensor:
-    """The routed experts over the chosen (token, expert) pairs only, block by block. x (N, H) -> (N, H).
+                     kernel: bool | None = None, reduce: bool = True) -> torch.Tensor:
+    """The routed experts over the chosen (token, expert) pairs only, block by block. x (N, H) -> (N, H), or
+    (N, k, H) with reduce=False: each chosen expert's weighted output, for a caller that sums them itself.
 
     ``experts`` has gate_up_proj (E, 2I, H), down_proj (E, H, I) and act_fn (transformers'
     ``LagunaExperts``); selected, weights (N, k). kernel=None: the Triton kernel where
@@ -220,7 +221,8 @@ def gathered_experts(experts, x: torch.Tensor, selected: torch.Tensor, weights: 
         o = _blocks_matmul(experts.act_fn(gate) * up, w_down, block_expert, BLOCK_M)  # (rows, H)
         o = o * weights.reshape(-1)[row_pair.clamp(max=P - 1)][:, None]
         out = torch.zeros(P + 1, o.shape[-1], device=x.device, dtype=o.dtype).index_add_(0, row_pair, o)[:P]
-    return out.view(N, k, -1).sum(dim=1)
+    out = out.view(N, k, -1)
+    return out.sum(dim=1) if reduce else out
 
 
 def distinct_experts(selected: torch.Tensor, n_experts: int) -> torch.Tensor:

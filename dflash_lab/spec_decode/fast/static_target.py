@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from ...layers import additive_mask, gqa_attention, grouped_mask
-from . import attention, triton_ops
+from . import attention, residual, triton_ops
 from ..tree import DraftTree, tree_visible
 from .moe import fused_route, gathered_experts, kernel_runs, route_runs
 
@@ -194,13 +194,17 @@ class StaticTarget:
                    fused=None) -> torch.Tensor:
         a = lay.attn
         B, Q, _ = x.shape
-        q, k, v, g = F.linear(x, lay.w_in, lay.b_in).split(lay.split, dim=-1)
-        q = triton_ops.norm_rope(a.q_norm, q, cos, sin, q.shape[-1] // a.head_dim, a.head_dim)  # (B, Q, H, hd)
-        k = triton_ops.norm_rope(a.k_norm, k, cos, sin, k.shape[-1] // a.head_dim, a.head_dim)  # (B, Q, nkv, hd)
+        qkvg = F.linear(x, lay.w_in, lay.b_in)
+        heads, nkv = lay.split[0] // a.head_dim, lay.split[1] // a.head_dim
+        g = qkvg[..., sum(lay.split[:3]):]
         cache_k, cache_v = self.cache[i]
-        if rows is None:
-            triton_ops.write_kv(cache_k, cache_v, k, v.view(B, Q, -1, a.head_dim), positions)
+        if rows is None:  # q (B, Q, H, hd); k and v written to their slots (one kernel where Triton runs)
+            q = triton_ops.qk_rope_write(qkvg, a.q_norm, a.k_norm, cos, sin, positions, cache_k, cache_v,
+                                         heads, nkv, a.head_dim)
         else:  # a prefill of some rows from position 0: it sees only its own keys, then they go to the rows' slots
+            q, k, v = qkvg[..., :sum(lay.split[:3])].split(lay.split[:3], dim=-1)
+            q = triton_ops.norm_rope(a.q_norm, q, cos, sin, heads, a.head_dim)  # (B, Q, H, hd)
+            k = triton_ops.norm_rope(a.k_norm, k, cos, sin, nkv, a.head_dim)  # (B, Q, nkv, hd)
             cache_k, cache_v = k.transpose(1, 2), v.view(B, Q, -1, a.head_dim).transpose(1, 2)  # (B, nkv, Q, hd)
             self.cache[i][0][:, :, :Q].index_copy_(0, rows, cache_k)
             self.cache[i][1][:, :, :Q].index_copy_(0, rows, cache_v)
@@ -217,22 +221,27 @@ class StaticTarget:
             out = out * gate
         return a.o_proj(out)
 
-    def _mlp(self, lay: _Layer, x: torch.Tensor) -> torch.Tensor:
+    def _mlp_add_norm(self, lay: _Layer, x: torch.Tensor, h: torch.Tensor, norm) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MLP of the normed x added to the residual h: (h', norm(h')), the MLP's tail in one kernel
+        (``residual``) where Triton runs."""
         B, Q, H = x.shape
         x = x.reshape(B * Q, H)
         if not lay.sparse:
-            return F.linear(triton_ops.act_mul(lay.act, F.linear(x, lay.w_gu)), lay.w_down).view(B, Q, H)
+            out = F.linear(triton_ops.act_mul(lay.act, F.linear(x, lay.w_gu)), lay.w_down)
+            return residual.add_norm(h, out.view(B, Q, H), norm)
         mlp, router = lay.mlp, lay.mlp.gate
         n_exp = router.weight.shape[0]
-        h = F.linear(x, lay.w_gu)  # router | shared gate | up
-        logits = h[:, :n_exp]
-        shared = F.linear(triton_ops.act_mul(lay.act, h[:, n_exp:]), lay.w_down)
+        g = F.linear(x, lay.w_gu)  # router | shared gate | up
+        logits = g[:, :n_exp]
+        shared = F.linear(triton_ops.act_mul(lay.act, g[:, n_exp:]), lay.w_down)
         if route_runs(logits, router):  # one kernel: float32 inside
             weights, selected = fused_route(logits, router.e_score_correction_bias, router.top_k, x.dtype)
         else:
             weights, selected = route(router, logits.float(), x.dtype)  # (N, k) each
-        routed = self._experts(mlp.experts, x, selected, weights)
-        return (routed * mlp.routed_scaling_factor + shared).view(B, Q, H)
+        routed = self._experts(mlp.experts, x, selected, weights)  # (N, k, H), or (N, H) already summed
+        if routed.dim() == 2:
+            routed = routed[:, None]
+        return residual.experts_add_norm(h, routed, mlp.routed_scaling_factor, shared.view(B, Q, H), norm)
 
     def _experts(self, experts, x: torch.Tensor, selected: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         if self.routing is not None:  # eager diagnostics only (a list of each sparse layer's choices)
@@ -240,8 +249,8 @@ class StaticTarget:
         moe = self.moe
         if moe == "gathered" and selected.numel() > GROUPED_FROM_PAIRS and self._grouped_ok:
             moe = "grouped"  # chosen by token count: a long prefill is compute-bound, grouped GEMM tiles pay there
-        if moe == "gathered":
-            return gathered_experts(experts, x, selected, weights)
+        if moe == "gathered":  # the k outputs of each token unsummed: the layer's tail kernel sums them
+            return gathered_experts(experts, x, selected, weights, reduce=False)
         if moe == "grouped":
             return grouped_experts(experts, x, selected, weights)
         return dense_experts(experts, x, selected, weights)
@@ -279,17 +288,19 @@ class StaticTarget:
             bias = {(lay.window, lay.groups): grouped_mask(masks[lay.window], lay.groups, *ids.shape)
                     for lay in self.layers}  # once per forward for every layer; per-layer head counts differ
         captured = {}
-        for i, lay in enumerate(self.layers):
+        x = triton_ops.norm(self.layers[0].input_norm, h)
+        norms = [lay.input_norm for lay in self.layers[1:]] + [m.norm]  # the norm after each layer's MLP
+        for i, lay in enumerate(self.layers):  # each add and the norm after it are one kernel (``residual``)
             cos, sin = rope[lay.layer_type]
-            h = h + self._attention(lay, i, triton_ops.norm(lay.input_norm, h), cos, sin, write_at,
-                                    bias.get((lay.window, lay.groups)), rows, fused)
-            h = h + self._mlp(lay, triton_ops.norm(lay.post_norm, h))
+            a = self._attention(lay, i, x, cos, sin, write_at, bias.get((lay.window, lay.groups)), rows, fused)
+            h, x = residual.add_norm(h, a, lay.post_norm)
+            h, x = self._mlp_add_norm(lay, x, h, norms[i])
             if i in self.layer_ids:
                 captured[i] = h
         aux = torch.cat([captured[i] for i in self.layer_ids], dim=-1) if self.layer_ids else None  # (B, Q, n*H)
-        if last_index is not None:
-            h = h.gather(1, last_index[:, None, None].expand(-1, 1, h.shape[-1]))[:, 0]  # (B, H)
-        return self.model.lm_head(triton_ops.norm(m.norm, h)), aux
+        if last_index is not None:  # the norm is per row: gathering after it picks the same rows
+            x = x.gather(1, last_index[:, None, None].expand(-1, 1, x.shape[-1]))[:, 0]  # (B, H)
+        return self.model.lm_head(x), aux
 
 
 # ---------------------------------------------------------------------------

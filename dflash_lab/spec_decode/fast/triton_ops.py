@@ -58,26 +58,20 @@ if triton is not None:
         tl.store(out_ptr + rows.to(tl.int64) * D + cols, (w * y).to(dt), mask=mask)
 
     @triton.jit
-    def _head_norm_rope_kernel(
-        x_ptr, out_ptr, w_ptr, cos_ptr, sin_ptr, N, stride_x, stride_cs, eps,
-        HEADS: tl.constexpr, HD: tl.constexpr, ROT: tl.constexpr,
-        BLOCK_T: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
-    ):
-        # One program = BLOCK_T tokens x one head. Channels in three pieces so that
-        # rotate_half is elementwise: [0, ROT/2), [ROT/2, ROT), [ROT, HD) (not rotated).
+    def _norm_rope_tile(src, w_ptr, cos_ptr, sin_ptr, tok, N, stride_cs, eps, dt,
+                        HD: tl.constexpr, ROT: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr):
+        """One head of BLOCK_T tokens (rows at src + tok-relative offsets already applied): per-head RMSNorm,
+        then rotate_half RoPE, in three channel pieces so that rotate_half is elementwise: [0, ROT/2),
+        [ROT/2, ROT), [ROT, HD) (not rotated). Returns the three pieces in dt and their masks."""
         HALF: tl.constexpr = ROT // 2
         PASS: tl.constexpr = HD - ROT
-        head = tl.program_id(1)
-        tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)[:, None]  # (T, 1)
         c1 = tl.arange(0, BLOCK_HALF)[None, :]
         c3 = tl.arange(0, BLOCK_PASS)[None, :]
         m1 = (tok < N) & (c1 < HALF)
         m3 = (tok < N) & (c3 < PASS)
-        src = x_ptr + tok.to(tl.int64) * stride_x + head * HD
         x1 = tl.load(src + c1, mask=m1, other=0.0).to(tl.float32)
         x2 = tl.load(src + HALF + c1, mask=m1, other=0.0).to(tl.float32)
         x3 = tl.load(src + ROT + c3, mask=m3, other=0.0).to(tl.float32)
-        dt = out_ptr.dtype.element_ty
         ss = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1) + tl.sum(x3 * x3, axis=1)
         rstd = (1.0 / tl.sqrt_rn(ss / HD + eps))[:, None]
         w1 = tl.load(w_ptr + c1, mask=c1 < HALF, other=0.0).to(tl.float32)
@@ -94,11 +88,53 @@ if triton is not None:
         # x_rot * cos + cat(-x2, x1) * sin, each product and the sum rounded to the dtype
         o1 = ((y1 * cos1).to(dt).to(tl.float32) + (-y2 * sin1).to(dt).to(tl.float32)).to(dt)
         o2 = ((y2 * cos2).to(dt).to(tl.float32) + (y1 * sin2).to(dt).to(tl.float32)).to(dt)
+        return o1, o2, y3, c1, c3, m1, m3
+
+    @triton.jit
+    def _head_norm_rope_kernel(
+        x_ptr, out_ptr, w_ptr, cos_ptr, sin_ptr, N, stride_x, stride_cs, eps,
+        HEADS: tl.constexpr, HD: tl.constexpr, ROT: tl.constexpr,
+        BLOCK_T: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
+    ):
+        head = tl.program_id(1)  # one program = BLOCK_T tokens x one head
+        tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)[:, None]  # (T, 1)
+        src = x_ptr + tok.to(tl.int64) * stride_x + head * HD
+        o1, o2, y3, c1, c3, m1, m3 = _norm_rope_tile(src, w_ptr, cos_ptr, sin_ptr, tok, N, stride_cs, eps,
+                                                     out_ptr.dtype.element_ty, HD, ROT, BLOCK_HALF, BLOCK_PASS)
         dst = out_ptr + (tok.to(tl.int64) * HEADS + head) * HD
         tl.store(dst + c1, o1, mask=m1)
-        tl.store(dst + HALF + c1, o2, mask=m1)
+        tl.store(dst + ROT // 2 + c1, o2, mask=m1)
         tl.store(dst + ROT + c3, y3, mask=m3)
 
+    @triton.jit
+    def _qk_rope_write_kernel(
+        x_ptr, q_ptr, wq_ptr, wk_ptr, cos_ptr, sin_ptr, slot_ptr, ck_ptr, cv_ptr, N, Q, stride_x, stride_cs,
+        sc_b, sc_h, sc_s, eps, HQ: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr, ROT: tl.constexpr,
+        BLOCK_T: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr, BLOCK_D: tl.constexpr,
+    ):
+        # x (N, HQ*HD | NKV*HD | NKV*HD | ...) rows of the q|k|v projection. Programs of head < HQ: q's norm and
+        # RoPE into q (N, HQ, HD); the others: one KV head's k (norm, RoPE) and v, written to cache slots.
+        head = tl.program_id(1)
+        tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)[:, None]  # (T, 1)
+        row = x_ptr + tok.to(tl.int64) * stride_x
+        dt = q_ptr.dtype.element_ty
+        if head < HQ:
+            o1, o2, y3, c1, c3, m1, m3 = _norm_rope_tile(row + head * HD, wq_ptr, cos_ptr, sin_ptr, tok, N,
+                                                         stride_cs, eps, dt, HD, ROT, BLOCK_HALF, BLOCK_PASS)
+            dst = q_ptr + (tok.to(tl.int64) * HQ + head) * HD
+        else:
+            h = head - HQ
+            o1, o2, y3, c1, c3, m1, m3 = _norm_rope_tile(row + (HQ + h) * HD, wk_ptr, cos_ptr, sin_ptr, tok, N,
+                                                         stride_cs, eps, dt, HD, ROT, BLOCK_HALF, BLOCK_PASS)
+            slot = tl.load(slot_ptr + tok, mask=tok < N, other=0).to(tl.int64)
+            at = (tok // Q).to(tl.int64) * sc_b + h * sc_h + slot * sc_s  # (T, 1) cache offsets
+            d = tl.arange(0, BLOCK_D)[None, :]
+            md = (tok < N) & (d < HD)
+            tl.store(cv_ptr + at + d, tl.load(row + (HQ + NKV + h) * HD + d, mask=md), mask=md)
+            dst = ck_ptr + at
+        tl.store(dst + c1, o1, mask=m1)
+        tl.store(dst + ROT // 2 + c1, o2, mask=m1)
+        tl.store(dst + ROT + c3, y3, mask=m3)
 
     @triton.jit
     def _silu_mul_kernel(x_ptr, out_ptr, I, stride_x, BLOCK: tl.constexpr):
@@ -192,6 +228,39 @@ def head_norm_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin
             HEADS=heads, HD=head_dim, ROT=rot, BLOCK_T=block_t, BLOCK_HALF=triton.next_power_of_2(rot // 2),
             BLOCK_PASS=triton.next_power_of_2(max(head_dim - rot, 1)), num_warps=4)
     return out.view(*lead, heads, head_dim)
+
+
+def qk_rope_write(qkv: torch.Tensor, q_norm, k_norm, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
+                  cache_k: torch.Tensor, cache_v: torch.Tensor, heads: int, kv_heads: int,
+                  head_dim: int) -> torch.Tensor:
+    """qkv (B, Q, >= (heads + 2 kv_heads) * head_dim), the q|k|v columns of one projection (rows may be strided)
+    -> q (B, Q, heads, head_dim) after its head norm and RoPE; k (head norm, RoPE) and v go straight to their
+    cache slots ``slots`` (B, Q) of cache_k/v (B, kv_heads, S, head_dim). One kernel where ``enabled``, else
+    ``norm_rope`` twice and ``write_kv``: the same values either way."""
+    B, Q, _ = qkv.shape
+    qw, kw = heads * head_dim, kv_heads * head_dim
+    if not enabled(qkv) or qkv.stride(-1) != 1 or cache_k.stride() != cache_v.stride() or cache_k.stride(-1) != 1:
+        q = norm_rope(q_norm, qkv[..., :qw], cos, sin, heads, head_dim)
+        k = norm_rope(k_norm, qkv[..., qw:qw + kw], cos, sin, kv_heads, head_dim)
+        write_kv(cache_k, cache_v, k, qkv[..., qw + kw:qw + 2 * kw].view(B, Q, kv_heads, head_dim), slots)
+        return q
+    x2 = qkv.reshape(B * Q, -1)
+    cs, sn = cos.reshape(B * Q, -1), sin.reshape(B * Q, -1)
+    if cs.stride(-1) != 1 or sn.stride(-1) != 1 or cs.stride(0) != sn.stride(0):
+        cs, sn = cs.contiguous(), sn.contiguous()
+    n, rot = B * Q, cs.shape[-1]
+    eps = [getattr(m, "variance_epsilon", None) or getattr(m, "eps") for m in (q_norm, k_norm)]
+    if eps[0] != eps[1]:
+        raise ValueError(f"qk_rope_write: q and k head norms with different eps ({eps[0]}, {eps[1]})")
+    q = torch.empty((B, Q, heads, head_dim), device=qkv.device, dtype=qkv.dtype)
+    block_t = max(1, min(16, 2048 // triton.next_power_of_2(head_dim)))
+    _qk_rope_write_kernel[(triton.cdiv(n, block_t), heads + kv_heads)](
+        x2, q, q_norm.weight, k_norm.weight, cs, sn, slots.reshape(-1).contiguous(), cache_k, cache_v, n, Q,
+        x2.stride(0), cs.stride(0), cache_k.stride(0), cache_k.stride(1), cache_k.stride(2), float(eps[0]),
+        HQ=heads, NKV=kv_heads, HD=head_dim, ROT=rot, BLOCK_T=block_t,
+        BLOCK_HALF=triton.next_power_of_2(rot // 2), BLOCK_PASS=triton.next_power_of_2(max(head_dim - rot, 1)),
+        BLOCK_D=triton.next_power_of_2(head_dim), num_warps=4)
+    return q
 
 
 linears = stacked_linears  # several projections of one input in one GEMM (on every device)

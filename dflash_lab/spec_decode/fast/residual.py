@@ -1,0 +1,108 @@
+"""A layer's residual adds with the RMSNorm that follows each, one kernel apiece (vLLM's fused_add_rms_norm).
+
+A Laguna decoder layer adds twice to its residual stream h, and each add is followed by a norm:
+
+    h = h + attention(x)            x = post_attention_layernorm(h)
+    h = h + mlp(x)                  x = next layer's input_layernorm(h)   (the final norm after the last)
+
+and a sparse layer's mlp(x) is itself a small sum: routed = sum over the k chosen experts of their
+weighted outputs, then routed * routed_scaling_factor + shared. In torch that tail is a reduce, a scale,
+two adds and a norm of about 7 kernels: at Laguna-XS.2's shape a decode token runs it 40 times, and
+every kernel costs a few microseconds however little it reads. Here each tail is one kernel:
+
+    add_norm(h, delta, norm)                        -> (h + delta, norm(h + delta))
+    experts_add_norm(h, expert_out, scale, shared, norm)
+        expert_out (N, k, H): the k weighted expert outputs of each token, not yet summed
+                                                    -> (h', norm(h')), h' = h + (sum_k expert_out * scale + shared)
+
+Numerics follow torch's sequence: the sum over k in float32 rounded once to the dtype (as torch's reduce
+does), each later product and add rounded to the dtype, the norm as ``triton_ops.rms_norm``. Where the
+kernels do not run (``triton_ops.enabled``), the same ops run in torch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import triton_ops
+
+try:  # Triton is a GPU-side extra
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the machine
+    triton = None
+
+
+if triton is not None:
+
+    @triton.jit
+    def _residual_norm_kernel(h_ptr, d_ptr, s_ptr, w_ptr, h_out_ptr, x_out_ptr, D, stride_h, stride_d, stride_s,
+                              scale, eps, K: tl.constexpr, BLOCK_D: tl.constexpr):
+        # K == 0: delta = d[n]; K >= 1: delta = round(round(round(sum_k d[n, k]) * scale) + s[n])
+        n = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK_D)
+        m = cols < D
+        dt = h_out_ptr.dtype.element_ty
+        if K == 0:
+            delta = tl.load(d_ptr + n * stride_d + cols, mask=m, other=0.0).to(tl.float32)
+        else:
+            acc = tl.zeros((BLOCK_D,), tl.float32)
+            for k in tl.static_range(K):
+                acc += tl.load(d_ptr + (n * K + k) * stride_d + cols, mask=m, other=0.0).to(tl.float32)
+            routed = (acc.to(dt).to(tl.float32) * scale).to(dt).to(tl.float32)
+            shared = tl.load(s_ptr + n * stride_s + cols, mask=m, other=0.0).to(tl.float32)
+            delta = (routed + shared).to(dt).to(tl.float32)
+        h = (tl.load(h_ptr + n * stride_h + cols, mask=m, other=0.0).to(tl.float32) + delta).to(dt)
+        tl.store(h_out_ptr + n * D + cols, h, mask=m)
+        hf = h.to(tl.float32)
+        rstd = 1.0 / tl.sqrt_rn(tl.sum(hf * hf, axis=0) / D + eps)
+        w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
+        tl.store(x_out_ptr + n * D + cols, (w * (hf * rstd).to(dt).to(tl.float32)).to(dt), mask=m)
+
+
+def _eps(norm) -> float:
+    return float(getattr(norm, "variance_epsilon", None) or getattr(norm, "eps"))
+
+
+def _rows(t: torch.Tensor, D: int) -> torch.Tensor:
+    t = t.reshape(-1, D)
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _launch(h, d, shared, scale: float, norm, k: int):
+    shape, D = h.shape, h.shape[-1]
+    h2, d2 = _rows(h, D), _rows(d, D)
+    s2 = _rows(shared, D) if shared is not None else h2
+    n = h2.shape[0]
+    h_out = torch.empty((n, D), device=h.device, dtype=h.dtype)
+    x_out = torch.empty_like(h_out)
+    if n:
+        _residual_norm_kernel[(n,)](h2, d2, s2, norm.weight, h_out, x_out, D, h2.stride(0), d2.stride(0),
+                                    s2.stride(0), float(scale), _eps(norm), K=k,
+                                    BLOCK_D=triton.next_power_of_2(D), num_warps=4 if D <= 2048 else 8)
+    return h_out.view(shape), x_out.view(shape)
+
+
+def add_norm(h: torch.Tensor, delta: torch.Tensor, norm) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h + delta, norm(h + delta)) for h, delta (..., H) and an RMSNorm module: one kernel where it runs."""
+    if delta.shape != h.shape:
+        raise ValueError(f"add_norm: delta {tuple(delta.shape)} is not the residual's shape {tuple(h.shape)}")
+    if not triton_ops.enabled(h):
+        h = h + delta
+        return h, triton_ops.norm(norm, h)
+    return _launch(h, delta, None, 1.0, norm, 0)
+
+
+def experts_add_norm(h: torch.Tensor, expert_out: torch.Tensor, scale: float, shared: torch.Tensor,
+                     norm) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sparse layer's tail: h (..., H), expert_out (N, k, H) with N = h's rows (the k weighted outputs of each
+    token's chosen experts), shared (..., H) -> (h', norm(h')), h' = h + (sum_k expert_out * scale + shared)."""
+    D = h.shape[-1]
+    N = h.numel() // D if D else 0
+    if expert_out.dim() != 3 or expert_out.shape[0] != N or expert_out.shape[2] != D or shared.shape != h.shape:
+        raise ValueError(f"experts_add_norm: expert_out {tuple(expert_out.shape)} must be (N={N}, k, {D}) and "
+                         f"shared {tuple(shared.shape)} the residual's shape {tuple(h.shape)}")
+    if not triton_ops.enabled(h) or not expert_out.is_contiguous():
+        delta = expert_out.sum(dim=1).view(h.shape) * scale + shared
+        return add_norm(h, delta, norm)
+    return _launch(h, expert_out.reshape(-1, D), shared, scale, norm, expert_out.shape[1])
