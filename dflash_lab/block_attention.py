@@ -107,6 +107,21 @@ class SlotVisibility:
     window: int | None
 
 
+class SlotLayer:
+    """One layer of ``SlotKV`` for one block: called with the block's K/V (B, Q, nkv, hd), it writes them into
+    their slots and gives every slot back (B, S, nkv, hd). A kernel that writes K/V itself (the fast path's
+    ``qk_rope_write``) reads ``k``, ``v`` and ``positions`` (slot == position) instead."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor):
+        self.k, self.v, self.positions = k, v, positions
+
+    def __call__(self, k: torch.Tensor, v: torch.Tensor):
+        index = self.positions[:, :, None, None].expand(*self.positions.shape, *self.k.shape[2:])  # (B, Q, nkv, hd)
+        self.k.scatter_(1, index, k)
+        self.v.scatter_(1, index, v)
+        return self.k, self.v
+
+
 class SlotKV:
     """Context K/V at slot == position of preallocated buffers k, v (L, B, S, nkv, hd), one block per row.
 
@@ -117,9 +132,10 @@ class SlotKV:
     they are hidden, and overwritten before any query can see them.
     """
 
-    def __init__(self, k: torch.Tensor, v: torch.Tensor):
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, rope: tuple | None = None):
         self.k, self.v = k, v
         self.slots = torch.arange(k.shape[2], device=k.device)
+        self.rope = rope  # (cos, sin) (S, rotary_dim) at every slot's position, made once, or None
         self._patterns: dict = {}  # (Q, causal) -> (Q, Q) bool, made once (a captured step only reads it)
 
     def write(self, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -128,14 +144,8 @@ class SlotKV:
         self.k.scatter_(2, index, k)
         self.v.scatter_(2, index, v)
 
-    def layer(self, i: int, positions: torch.Tensor):
-        index = positions[:, :, None, None].expand(*positions.shape, *self.k.shape[3:])  # (B, Q, nkv, hd)
-
-        def keys_values(k, v):  # the block's K/V (B, Q, nkv, hd) into its slots; every slot back
-            self.k[i].scatter_(1, index, k)
-            self.v[i].scatter_(1, index, v)
-            return self.k[i], self.v[i]
-        return keys_values
+    def layer(self, i: int, positions: torch.Tensor) -> "SlotLayer":
+        return SlotLayer(self.k[i], self.v[i], positions)
 
     def visibility(self, positions: torch.Tensor, block_size: int, *, causal: bool,
                    window: int | None) -> SlotVisibility:

@@ -30,8 +30,8 @@ from torch import nn
 
 from .config import DFlashDrafterConfig
 from .context_kv import compute_context_kv
-from .block_attention import (ConcatKV, SlotKV, SlotVisibility, dflash_attention_mask, draft_block_ids,  # noqa: F401
-                              visible_keys)
+from .block_attention import (ConcatKV, SlotKV, SlotLayer, SlotVisibility,  # noqa: F401
+                              dflash_attention_mask, draft_block_ids, visible_keys)
 from .layers import RMSNorm, TorchOps, apply_rope, gqa_attention, grouped_mask, rope_tables
 
 # ---------------------------------------------------------------------------
@@ -75,6 +75,14 @@ class DFlashAttention(nn.Module):
         """x: (B, Q, H) normalised block states; keys_values(k, v) -> all keys/values (B, S, nkv, hd);
         mask: (B, Q, S) bool, True where a query sees a key."""
         qkv, *g = ops.linears(x, [self.qkv_proj, self.g_proj] if self.gating else [self.qkv_proj], self.stacked)
+        if isinstance(mask, SlotVisibility) and isinstance(keys_values, SlotLayer) and hasattr(ops, "qk_rope_write"):
+            # the fast path: q/k norms and RoPE, the block's K/V into its slots, in one kernel; then the attention
+            cache_k, cache_v = keys_values.k.transpose(1, 2), keys_values.v.transpose(1, 2)  # (B, nkv, S, hd)
+            at = keys_values.positions
+            q = ops.qk_rope_write(qkv, self.q_norm, self.k_norm, cos, sin, at, cache_k, cache_v, self.num_heads,
+                                  self.num_kv_heads, self.head_dim, at if cos.dim() == 2 else None)
+            return self.o_proj(ops.slot_attention(q, cache_k, cache_v, g[0] if self.gating else None, mask,
+                                                  self.head_dim**-0.5, self.gate_per_head))
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = ops.norm_rope(self.q_norm, q, cos, sin, self.num_heads, self.head_dim)  # (B, Q, nh, hd)
         k = ops.norm_rope(self.k_norm, k, cos, sin, self.num_kv_heads, self.head_dim)  # (B, Q, nkv, hd)
@@ -104,7 +112,7 @@ class DFlashMLP(nn.Module):
 
     def forward(self, x, ops=TorchOps):
         gate, up = ops.linears(x, [self.gate_proj, self.up_proj], self.stacked)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(ops.silu_mul(gate, up))
 
 
 class DFlashDecoderLayer(nn.Module):
@@ -117,9 +125,13 @@ class DFlashDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = DFlashMLP(cfg)
 
-    def forward(self, h, cos, sin, keys_values, mask, ops=TorchOps):
-        h = h + self.self_attn(ops.norm(self.input_layernorm, h), cos, sin, keys_values, mask, ops)
-        return h + self.mlp(ops.norm(self.post_attention_layernorm, h), ops)
+    def forward(self, h, cos, sin, keys_values, mask, ops=TorchOps, *, x=None, next_norm=None):
+        """h -> h'. x: input_layernorm(h) when the caller has it; next_norm: return (h', next_norm(h')) instead,
+        each residual add and the norm after it one kernel on the fast path (``ops.add_norm``)."""
+        x = ops.norm(self.input_layernorm, h) if x is None else x
+        h, x = ops.add_norm(h, self.self_attn(x, cos, sin, keys_values, mask, ops), self.post_attention_layernorm)
+        out = self.mlp(x, ops)
+        return h + out if next_norm is None else ops.add_norm(h, out, next_norm)
 
 
 # ---------------------------------------------------------------------------
@@ -276,11 +288,15 @@ class DFlashLagunaDrafter(nn.Module):
         if not isinstance(mask, SlotVisibility):
             groups = self.config.num_attention_heads // self.config.num_key_value_heads
             mask = grouped_mask(mask, groups, *noise_embeds.shape[:2])  # once, for every layer
-        cos, sin = rope_tables(self.config, positions, noise_embeds.dtype)
-        h = noise_embeds
-        for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, kv.layer(i, positions), mask, ops)
-        return ops.norm(self.norm, h)
+        table = (isinstance(mask, SlotVisibility) and hasattr(ops, "qk_rope_write")
+                 and getattr(kv, "rope", None) is not None)
+        # the fast path reads a table made once at every slot's position (slot == position); else computed here
+        cos, sin = kv.rope if table else rope_tables(self.config, positions, noise_embeds.dtype)
+        x = ops.norm(self.layers[0].input_layernorm, noise_embeds)
+        h, norms = noise_embeds, [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
+        for i, layer in enumerate(self.layers):  # each layer hands the next its normed input (the last: the final)
+            h, x = layer(h, cos, sin, kv.layer(i, positions), mask, ops, x=x, next_norm=norms[i])
+        return x
 
 
 def with_window(drafter: DFlashLagunaDrafter, window: int | None) -> DFlashLagunaDrafter:

@@ -94,6 +94,17 @@ class TorchOps:
         """Several ``nn.Linear`` layers applied to the same x, one GEMM each (``stacked`` unused)."""
         return [layer(x) for layer in layers]
 
+    @staticmethod
+    def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """An MLP's activation: silu(gate) * up."""
+        return F.silu(gate) * up
+
+    @staticmethod
+    def add_norm(h: torch.Tensor, delta: torch.Tensor, module) -> tuple[torch.Tensor, torch.Tensor]:
+        """A residual add and the norm after it: (h + delta, module(h + delta))."""
+        h = h + delta
+        return h, module(h)
+
 
 def stacked_linears(x: torch.Tensor, layers, stacked: dict | None) -> list[torch.Tensor]:
     """Several ``nn.Linear`` layers applied to the same x in ONE GEMM: their weights (and biases)

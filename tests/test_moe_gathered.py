@@ -288,3 +288,29 @@ def test_gpu_a_layers_tails_compiled():
     assert len(rows) == 8 and rows["add_norm bfloat16"][0] == 0.0, rows
     for name, vals in rows.items():
         assert max(v for v in vals if not isinstance(v, bool)) < (2e-2 if "bfloat16" in name else 2e-5), (name, vals)
+
+
+ALIGN_SCRIPT = r"""
+import json
+import torch
+from dflash_lab.spec_decode.fast.moe import align, align_rows
+out = []
+for N, k, E, pool, seed in [(2, 2, 8, 8, 0), (16, 2, 8, 8, 1), (16, 8, 256, 256, 2), (40, 3, 12, 5, 3),
+                            (300, 8, 256, 40, 4), (5, 1, 3, 3, 5)]:
+    g = torch.Generator().manual_seed(seed)
+    sel = torch.stack([torch.randperm(pool, generator=g)[:k] for _ in range(N)])
+    rp, be, used = align(sel, E)
+    rp2, be2, used2, rows, tok = align_rows(sel, E)
+    out.append([torch.equal(rp, rp2), torch.equal(be, be2), torch.equal(used, used2),
+                torch.equal(tok, torch.where(rp < N * k, rp // k, 0)), torch.equal(rows, torch.arange(rp.numel()))])
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(triton is None, reason="needs Triton")
+def test_the_one_kernel_layout_is_aligns(interpreted):
+    """``align_rows`` (one program, pairs taken a chunk at a time) gives ``align``'s stable layout exactly: rows,
+    block experts and the used count, from 4 pairs to 2400 (XS.2's 256 experts top-8 over 300 tokens, 40 of
+    them used), and every row's token (0 on padding)."""
+    rows = interpreted(ALIGN_SCRIPT)
+    assert len(rows) == 6 and all(all(r) for r in rows), rows

@@ -86,6 +86,72 @@ def _one_token(P: int, block_m: int, device) -> tuple:
     return _ONE_TOKEN[key]
 
 
+if triton is not None:
+
+    @triton.jit
+    def _align_kernel(sel_ptr, row_pair_ptr, token_ptr, block_expert_ptr, used_ptr, P, E, K_TOP, R, NB,
+                      BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr, CHUNK: tl.constexpr):
+        """``align`` in one program: per-expert counts, each expert's first block (a cumsum), every pair's padded
+        row (its expert's first row + its rank among the expert's earlier pairs: the stable order), each block's
+        expert, and the token of every row (0 on padding). Pairs are taken CHUNK at a time, so any P fits."""
+        e = tl.arange(0, BLOCK_E)
+        c = tl.arange(0, CHUNK)
+        counts = tl.zeros((BLOCK_E,), tl.int32)
+        for p0 in range(0, P, CHUNK):
+            ex = tl.load(sel_ptr + p0 + c, mask=p0 + c < P, other=-1).to(tl.int32)
+            counts += tl.sum((ex[:, None] == e[None, :]).to(tl.int32), axis=0)
+        blocks = (counts + BLOCK_M - 1) // BLOCK_M
+        block_end = tl.cumsum(blocks, axis=0)
+        first_row = (block_end - blocks) * BLOCK_M
+        for r0 in range(0, R, CHUNK):  # every row padding first: row_pair P, token 0
+            tl.store(row_pair_ptr + r0 + c, tl.zeros((CHUNK,), tl.int64) + P, mask=r0 + c < R)
+            tl.store(token_ptr + r0 + c, tl.zeros((CHUNK,), tl.int64), mask=r0 + c < R)
+        tl.debug_barrier()
+        seen = tl.zeros((BLOCK_E,), tl.int32)  # pairs of each expert in the chunks before
+        earlier = c[None, :] < c[:, None]  # (pair, other pair): the other comes first
+        for p0 in range(0, P, CHUNK):
+            ok = p0 + c < P
+            ex = tl.load(sel_ptr + p0 + c, mask=ok, other=-1).to(tl.int32)
+            hot = ex[:, None] == e[None, :]  # (CHUNK, E)
+            same = (ex[:, None] == ex[None, :]) & earlier
+            rank = tl.sum(tl.where(hot, seen[None, :], 0), axis=1) + tl.sum(same.to(tl.int32), axis=1)
+            dest = tl.sum(tl.where(hot, first_row[None, :], 0), axis=1) + rank
+            pair = p0 + c
+            tl.store(row_pair_ptr + dest, pair.to(tl.int64), mask=ok)
+            tl.store(token_ptr + dest, (pair // K_TOP).to(tl.int64), mask=ok)
+            seen += tl.sum(hot.to(tl.int32), axis=0)
+        for b0 in range(0, NB, CHUNK):  # block b's expert: how many experts end at or before it, clamped
+            b = b0 + c
+            owner = tl.sum(((block_end[None, :] <= b[:, None]) & (e[None, :] < E)).to(tl.int32), axis=1)
+            tl.store(block_expert_ptr + b, tl.minimum(owner, E - 1).to(tl.int64), mask=b < NB)
+        total = tl.sum(tl.where(e == E - 1, block_end, 0), axis=0)
+        tl.store(used_ptr, total.to(tl.int64))
+
+
+_ROWS: dict = {}
+
+
+def align_rows(selected: torch.Tensor, n_experts: int, block_m: int = BLOCK_M):
+    """``align`` and the rows' tokens in one kernel (where the block GEMM kernel runs): (row_pair,
+    block_expert, used, rows, token_of_row), ``rows`` the padded rows' indices (a constant per size)."""
+    N, k = selected.shape
+    P, dev = N * k, selected.device
+    n_blocks = block_bound(P, n_experts, block_m)
+    R = n_blocks * block_m
+    row_pair = torch.empty(R, dtype=torch.long, device=dev)
+    token_of_row = torch.empty(R, dtype=torch.long, device=dev)
+    block_expert = torch.empty(n_blocks, dtype=torch.long, device=dev)
+    used = torch.empty(1, dtype=torch.long, device=dev)
+    block_e = triton.next_power_of_2(n_experts)
+    chunk = max(16, min(64, 8192 // block_e))
+    _align_kernel[(1,)](selected.reshape(-1).contiguous(), row_pair, token_of_row, block_expert, used, P,
+                        n_experts, k, R, n_blocks, BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=chunk, num_warps=8)
+    key = (R, str(dev))
+    if key not in _ROWS:
+        _ROWS[key] = torch.arange(R, device=dev)
+    return row_pair, block_expert, used, _ROWS[key], token_of_row
+
+
 def _blocks_matmul(a: torch.Tensor, w: torch.Tensor, block_expert: torch.Tensor, block_m: int) -> torch.Tensor:
     """Reference: rows a (n_blocks * block_m, K) times their block expert's w (E, N_out, K)^T."""
     a = a.view(-1, block_m, a.shape[-1])
@@ -97,9 +163,11 @@ if triton is not None:
     @triton.jit
     def _block_gemm_kernel(a_ptr, a_index_ptr, w_ptr, out_ptr, out_index_ptr, row_pair_ptr, block_expert_ptr,
                            used_ptr, scale_ptr, P, N_OUT, K, stride_a, stride_we, stride_wn, stride_out,
-                           HAS_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                           BLOCK_K: tl.constexpr):
-        """out[out_index[r]] = a[a_index[r]] @ w[e]^T (* scale[pair]) for the rows r of one block of expert e."""
+                           HAS_SCALE: tl.constexpr, SILU_MUL: tl.constexpr, BLOCK_M: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """out[out_index[r]] = a[a_index[r]] @ w[e]^T (* scale[pair]) for the rows r of one block of expert e.
+        SILU_MUL: a's rows are [gate | up] (2K wide) and the operand is silu(gate) * up, rounded as
+        ``triton_ops.silu_mul`` rounds it (the down projection reads the gate/up GEMM's output directly)."""
         pid_m = tl.program_id(0)
         if pid_m >= tl.load(used_ptr):
             return
@@ -116,6 +184,10 @@ if triton is not None:
         for k0 in range(0, K, BLOCK_K):
             kmask = (k0 + ks) < K
             a = tl.load(a_ptrs, mask=valid[:, None] & kmask[None, :], other=0.0)
+            if SILU_MUL:
+                u = tl.load(a_ptrs + K, mask=valid[:, None] & kmask[None, :], other=0.0).to(tl.float32)
+                g = a.to(tl.float32)
+                a = ((g / (1.0 + tl.exp(-g))).to(a.dtype).to(tl.float32) * u).to(a.dtype)
             w = tl.load(w_ptrs, mask=kmask[:, None] & (cols[None, :] < N_OUT), other=0.0)
             acc = tl.dot(a, w, acc)
             a_ptrs += BLOCK_K
@@ -127,14 +199,16 @@ if triton is not None:
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & (cols[None, :] < N_OUT))
 
 
-def _block_gemm(a, a_index, w, out, out_index, row_pair, block_expert, used, scale, pairs: int) -> None:
+def _block_gemm(a, a_index, w, out, out_index, row_pair, block_expert, used, scale, pairs: int,
+                silu_mul: bool = False) -> None:
     n_out, K = w.shape[1], w.shape[2]
     assert a.stride(-1) == 1 and w.stride(-1) == 1 and out.stride(-1) == 1
     block_n, block_k = 64, 128
     grid = (block_expert.shape[0], triton.cdiv(n_out, block_n))
     _block_gemm_kernel[grid](a, a_index, w, out, out_index, row_pair, block_expert, used,
                              scale if scale is not None else a, pairs, n_out, K, a.stride(0), w.stride(0), w.stride(1),
-                             out.stride(0), HAS_SCALE=scale is not None, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
+                             out.stride(0), HAS_SCALE=scale is not None, SILU_MUL=silu_mul, BLOCK_M=BLOCK_M,
+                             BLOCK_N=block_n,
                              BLOCK_K=block_k, num_warps=4, num_stages=3)
 
 
@@ -184,8 +258,11 @@ def fused_route(logits: torch.Tensor, bias: torch.Tensor, top_k: int, dtype: tor
 
 
 def kernel_runs(x: torch.Tensor) -> bool:
-    """Whether the Triton kernel serves ``x``: bf16/fp16 on CUDA (float32 would round through TF32 there)."""
-    return triton is not None and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+    """Whether the Triton kernel serves ``x``: bf16/fp16 on CUDA (float32 would round through TF32 there), any
+    dtype in Triton's CPU interpreter (exact float32 products there)."""
+    if triton is None or not triton_ops.enabled(x):
+        return False
+    return x.dtype in (torch.bfloat16, torch.float16) if x.is_cuda else True
 
 
 def gathered_experts(experts, x: torch.Tensor, selected: torch.Tensor, weights: torch.Tensor, *,
@@ -200,21 +277,25 @@ def gathered_experts(experts, x: torch.Tensor, selected: torch.Tensor, weights: 
     N, k = selected.shape
     P = N * k
     w_gu, w_down = experts.gate_up_proj, experts.down_proj
-    row_pair, block_expert, used = align(selected, w_gu.shape[0])
-    if N == 1:  # the decode step: the layout is a constant
-        rows, valid, token_of_row = _one_token(P, BLOCK_M, x.device)[2:]
-    else:
-        rows = torch.arange(row_pair.numel(), device=x.device)
-        valid = row_pair < P
-        token_of_row = torch.where(valid, row_pair // k, 0)
     x = x.contiguous()
     use_kernel = kernel_runs(x) if kernel is None else kernel
+    if use_kernel and N > 1:  # the layout in one kernel instead of align's ~20 small ones
+        row_pair, block_expert, used, rows, token_of_row = align_rows(selected, w_gu.shape[0])
+    else:
+        row_pair, block_expert, used = align(selected, w_gu.shape[0])
+        if N == 1:  # the decode step: the layout is a constant
+            rows, valid, token_of_row = _one_token(P, BLOCK_M, x.device)[2:]
+        else:
+            rows = torch.arange(row_pair.numel(), device=x.device)
+            valid = row_pair < P
+            token_of_row = torch.where(valid, row_pair // k, 0)
     if use_kernel:
         h = torch.empty(row_pair.numel(), w_gu.shape[1], device=x.device, dtype=x.dtype)
         _block_gemm(x, token_of_row, w_gu, h, rows, row_pair, block_expert, used, None, P)
-        act = triton_ops.act_mul(experts.act_fn, h)  # padding rows hold garbage; the next GEMM never reads them
+        silu = triton_ops.is_silu(experts.act_fn)  # then the activation runs inside the down projection's loads
+        act = h if silu else triton_ops.act_mul(experts.act_fn, h)  # padding rows hold garbage, never read
         out = torch.empty(P, w_down.shape[1], device=x.device, dtype=x.dtype)  # every pair is one row: all written
-        _block_gemm(act, rows, w_down, out, row_pair, row_pair, block_expert, used, weights.reshape(-1), P)
+        _block_gemm(act, rows, w_down, out, row_pair, row_pair, block_expert, used, weights.reshape(-1), P, silu)
     else:
         a = x[token_of_row] * valid[:, None].to(x.dtype)
         gate, up = _blocks_matmul(a, w_gu, block_expert, BLOCK_M).chunk(2, dim=-1)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from ...block_attention import SlotKV
+from ...layers import rope_tables
 from . import triton_ops
 from .static_target import round_up
 
@@ -39,8 +40,10 @@ class StaticDrafter:
         self.target = target  # its embedding table and lm_head
         self.batch, self.capacity = batch, round_up(capacity, 16)
         shape = (len(drafter.layers), batch, self.capacity, cfg.num_key_value_heads, cfg.head_dim)
+        slots = torch.arange(self.capacity, device=self.device)
         self.kv = SlotKV(torch.zeros(shape, device=self.device, dtype=self.dtype),
-                         torch.zeros(shape, device=self.device, dtype=self.dtype))
+                         torch.zeros(shape, device=self.device, dtype=self.dtype),
+                         rope=rope_tables(cfg, slots, self.dtype))  # a block's RoPE read at its slots
         self.offsets = torch.arange(block_size or cfg.block_size, device=self.device)  # the longest block drafted
 
     def append(self, aux: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor | None = None) -> None:

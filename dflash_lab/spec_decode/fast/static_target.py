@@ -139,6 +139,18 @@ def _prepare_layer(layer, layer_type: str, window: int | None) -> _Layer:
                   sparse=sparse, w_gu=w_gu, w_down=w_down, act=act)
 
 
+def _rope_tables(target, positions: torch.Tensor, dtype: torch.dtype):
+    """cos and sin of every slot's position, per layer type, made once: a step reads its rows instead of
+    computing RoPE again (about 7 kernels per layer type and step). The values are the rotary module's own at
+    those positions, elementwise. None for RoPE types whose frequencies depend on the sequence length."""
+    rotary = target.model.rotary_emb
+    if any(t in ("dynamic", "longrope") for t in getattr(rotary, "rope_type", {}).values()):
+        return None
+    probe = torch.empty(0, device=positions.device, dtype=dtype)
+    with torch.no_grad():
+        return {t: tuple(c[0] for c in rotary(probe, positions[None], t)) for t in set(target.config.layer_types)}
+
+
 # ---------------------------------------------------------------------------
 # The forward
 # ---------------------------------------------------------------------------
@@ -172,6 +184,7 @@ class StaticTarget:
         self.kv = torch.zeros((len(self.layers), 2, *shape), device=self.device, dtype=self.dtype)
         self.cache = [(self.kv[i, 0], self.kv[i, 1]) for i in range(len(self.layers))]
         self.slots = torch.arange(self.capacity, device=self.device)
+        self.rope_tables = _rope_tables(target, self.slots, self.dtype)  # {layer type: (cos, sin) (S, rd)} or None
 
     # --- pieces ----------------------------------------------------------------
     def _bias(self, positions: torch.Tensor, window: int | None, slots: torch.Tensor | None = None) -> torch.Tensor:
@@ -191,7 +204,7 @@ class StaticTarget:
         self.kv.scatter_(4, dst[None, None, :, None, :, None].expand(L, two, B, nkv, -1, hd), moved)
 
     def _attention(self, lay: _Layer, i: int, x: torch.Tensor, cos, sin, positions, bias, rows=None,
-                   fused=None) -> torch.Tensor:
+                   fused=None, rope_positions=None) -> torch.Tensor:
         a = lay.attn
         B, Q, _ = x.shape
         qkvg = F.linear(x, lay.w_in, lay.b_in)
@@ -200,7 +213,7 @@ class StaticTarget:
         cache_k, cache_v = self.cache[i]
         if rows is None:  # q (B, Q, H, hd); k and v written to their slots (one kernel where Triton runs)
             q = triton_ops.qk_rope_write(qkvg, a.q_norm, a.k_norm, cos, sin, positions, cache_k, cache_v,
-                                         heads, nkv, a.head_dim)
+                                         heads, nkv, a.head_dim, rope_positions)
         else:  # a prefill of some rows from position 0: it sees only its own keys, then they go to the rows' slots
             q, k, v = qkvg[..., :sum(lay.split[:3])].split(lay.split[:3], dim=-1)
             q = triton_ops.norm_rope(a.q_norm, q, cos, sin, heads, a.head_dim)  # (B, Q, H, hd)
@@ -271,7 +284,9 @@ class StaticTarget:
         """
         m = self.model.model
         h = m.embed_tokens(ids)
-        rope = {t: m.rotary_emb(h, positions, t) for t in set(self.layer_types)}  # (B, Q, rd) cos, sin
+        rope_pos = positions if self.rope_tables is not None and rows is None else None
+        rope = self.rope_tables if rope_pos is not None else \
+            {t: m.rotary_emb(h, positions, t) for t in set(self.layer_types)}  # tables (S, rd), or (B, Q, rd)
         slots = None if rows is None else self.slots[:ids.shape[1]]
         windows = {lay.window for lay in self.layers}
         write_at = positions if tree is None else start[:, None] + self.slots[:ids.shape[1]]
@@ -292,7 +307,8 @@ class StaticTarget:
         norms = [lay.input_norm for lay in self.layers[1:]] + [m.norm]  # the norm after each layer's MLP
         for i, lay in enumerate(self.layers):  # each add and the norm after it are one kernel (``residual``)
             cos, sin = rope[lay.layer_type]
-            a = self._attention(lay, i, x, cos, sin, write_at, bias.get((lay.window, lay.groups)), rows, fused)
+            a = self._attention(lay, i, x, cos, sin, write_at, bias.get((lay.window, lay.groups)), rows, fused,
+                                rope_pos)
             h, x = residual.add_norm(h, a, lay.post_norm)
             h, x = self._mlp_add_norm(lay, x, h, norms[i])
             if i in self.layer_ids:

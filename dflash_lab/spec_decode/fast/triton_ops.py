@@ -58,11 +58,11 @@ if triton is not None:
         tl.store(out_ptr + rows.to(tl.int64) * D + cols, (w * y).to(dt), mask=mask)
 
     @triton.jit
-    def _norm_rope_tile(src, w_ptr, cos_ptr, sin_ptr, tok, N, stride_cs, eps, dt,
+    def _norm_rope_tile(src, w_ptr, cos_ptr, sin_ptr, tok, N, cs, eps, dt,
                         HD: tl.constexpr, ROT: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr):
-        """One head of BLOCK_T tokens (rows at src + tok-relative offsets already applied): per-head RMSNorm,
-        then rotate_half RoPE, in three channel pieces so that rotate_half is elementwise: [0, ROT/2),
-        [ROT/2, ROT), [ROT, HD) (not rotated). Returns the three pieces in dt and their masks."""
+        """One head of BLOCK_T tokens (src: (T, 1) pointers to each token's head): per-head RMSNorm, then
+        rotate_half RoPE with cos/sin at row offsets cs (T, 1), in three channel pieces so that rotate_half is
+        elementwise: [0, ROT/2), [ROT/2, ROT), [ROT, HD) (not rotated). Returns the pieces in dt and masks."""
         HALF: tl.constexpr = ROT // 2
         PASS: tl.constexpr = HD - ROT
         c1 = tl.arange(0, BLOCK_HALF)[None, :]
@@ -80,7 +80,6 @@ if triton is not None:
         y1 = (w1 * (x1 * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
         y2 = (w2 * (x2 * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
         y3 = (w3 * (x3 * rstd).to(dt).to(tl.float32)).to(dt)
-        cs = tok.to(tl.int64) * stride_cs
         cos1 = tl.load(cos_ptr + cs + c1, mask=m1, other=0.0).to(tl.float32)
         cos2 = tl.load(cos_ptr + cs + HALF + c1, mask=m1, other=0.0).to(tl.float32)
         sin1 = tl.load(sin_ptr + cs + c1, mask=m1, other=0.0).to(tl.float32)
@@ -99,7 +98,8 @@ if triton is not None:
         head = tl.program_id(1)  # one program = BLOCK_T tokens x one head
         tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)[:, None]  # (T, 1)
         src = x_ptr + tok.to(tl.int64) * stride_x + head * HD
-        o1, o2, y3, c1, c3, m1, m3 = _norm_rope_tile(src, w_ptr, cos_ptr, sin_ptr, tok, N, stride_cs, eps,
+        o1, o2, y3, c1, c3, m1, m3 = _norm_rope_tile(src, w_ptr, cos_ptr, sin_ptr, tok, N,
+                                                     tok.to(tl.int64) * stride_cs, eps,
                                                      out_ptr.dtype.element_ty, HD, ROT, BLOCK_HALF, BLOCK_PASS)
         dst = out_ptr + (tok.to(tl.int64) * HEADS + head) * HD
         tl.store(dst + c1, o1, mask=m1)
@@ -108,24 +108,30 @@ if triton is not None:
 
     @triton.jit
     def _qk_rope_write_kernel(
-        x_ptr, q_ptr, wq_ptr, wk_ptr, cos_ptr, sin_ptr, slot_ptr, ck_ptr, cv_ptr, N, Q, stride_x, stride_cs,
-        sc_b, sc_h, sc_s, eps, HQ: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr, ROT: tl.constexpr,
-        BLOCK_T: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr, BLOCK_D: tl.constexpr,
+        x_ptr, q_ptr, wq_ptr, wk_ptr, cos_ptr, sin_ptr, rpos_ptr, slot_ptr, ck_ptr, cv_ptr, N, Q, stride_x,
+        stride_cs, sc_b, sc_h, sc_s, eps, HQ: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr, ROT: tl.constexpr,
+        TABLE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
+        BLOCK_D: tl.constexpr,
     ):
         # x (N, HQ*HD | NKV*HD | NKV*HD | ...) rows of the q|k|v projection. Programs of head < HQ: q's norm and
         # RoPE into q (N, HQ, HD); the others: one KV head's k (norm, RoPE) and v, written to cache slots.
+        # TABLE: cos/sin are tables over positions, read at each token's rope position; else one row a token.
         head = tl.program_id(1)
         tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)[:, None]  # (T, 1)
         row = x_ptr + tok.to(tl.int64) * stride_x
         dt = q_ptr.dtype.element_ty
+        if TABLE:
+            cs = tl.load(rpos_ptr + tok, mask=tok < N, other=0).to(tl.int64) * stride_cs
+        else:
+            cs = tok.to(tl.int64) * stride_cs
         if head < HQ:
             o1, o2, y3, c1, c3, m1, m3 = _norm_rope_tile(row + head * HD, wq_ptr, cos_ptr, sin_ptr, tok, N,
-                                                         stride_cs, eps, dt, HD, ROT, BLOCK_HALF, BLOCK_PASS)
+                                                         cs, eps, dt, HD, ROT, BLOCK_HALF, BLOCK_PASS)
             dst = q_ptr + (tok.to(tl.int64) * HQ + head) * HD
         else:
             h = head - HQ
             o1, o2, y3, c1, c3, m1, m3 = _norm_rope_tile(row + (HQ + h) * HD, wk_ptr, cos_ptr, sin_ptr, tok, N,
-                                                         stride_cs, eps, dt, HD, ROT, BLOCK_HALF, BLOCK_PASS)
+                                                         cs, eps, dt, HD, ROT, BLOCK_HALF, BLOCK_PASS)
             slot = tl.load(slot_ptr + tok, mask=tok < N, other=0).to(tl.int64)
             at = (tok // Q).to(tl.int64) * sc_b + h * sc_h + slot * sc_s  # (T, 1) cache offsets
             d = tl.arange(0, BLOCK_D)[None, :]
@@ -137,12 +143,12 @@ if triton is not None:
         tl.store(dst + ROT + c3, y3, mask=m3)
 
     @triton.jit
-    def _silu_mul_kernel(x_ptr, out_ptr, I, stride_x, BLOCK: tl.constexpr):
+    def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, I, stride_g, stride_u, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         m = col < I
-        g = tl.load(x_ptr + row * stride_x + col, mask=m, other=0.0).to(tl.float32)
-        u = tl.load(x_ptr + row * stride_x + I + col, mask=m, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + row * stride_g + col, mask=m, other=0.0).to(tl.float32)
+        u = tl.load(u_ptr + row * stride_u + col, mask=m, other=0.0).to(tl.float32)
         dt = out_ptr.dtype.element_ty
         a = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)  # silu, rounded to the dtype as torch's is
         tl.store(out_ptr + row * I + col, (a * u).to(dt), mask=m)
@@ -178,17 +184,29 @@ def write_kv(cache_k: torch.Tensor, cache_v: torch.Tensor, k: torch.Tensor, v: t
                                    cache_k.stride(2), HD=hd, BLOCK_D=triton.next_power_of_2(hd))
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up of gate_up (N, 2I) = [gate | up] in one kernel (rows may be strided) -> (N, I)."""
-    N, two_i = gate_up.shape
-    if gate_up.stride(-1) != 1:
-        gate_up = gate_up.contiguous()
-    out = torch.empty((N, two_i // 2), device=gate_up.device, dtype=gate_up.dtype)
-    if N:
-        block = min(1024, triton.next_power_of_2(two_i // 2))
-        _silu_mul_kernel[(N, triton.cdiv(two_i // 2, block))](gate_up, out, two_i // 2, gate_up.stride(0),
+def silu_mul(gate: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
+    """silu(gate) * up in one kernel where ``enabled`` (else torch): gate, up (..., I), rows may be strided; or
+    gate (N, 2I) = [gate | up] alone -> (N, I) (the kernel only: ``act_mul`` asks ``enabled`` first)."""
+    if up is None:
+        gate, up = gate.chunk(2, dim=-1)
+    if not enabled(gate):
+        return torch.nn.functional.silu(gate) * up
+    shape, I = gate.shape, gate.shape[-1]
+    g2, u2 = gate.reshape(-1, I), up.reshape(-1, I)
+    if g2.stride(-1) != 1 or u2.stride(-1) != 1:
+        g2, u2 = g2.contiguous(), u2.contiguous()
+    out = torch.empty(g2.shape, device=gate.device, dtype=gate.dtype)
+    if g2.shape[0]:
+        block = min(1024, triton.next_power_of_2(I))
+        _silu_mul_kernel[(g2.shape[0], triton.cdiv(I, block))](g2, u2, out, I, g2.stride(0), u2.stride(0),
                                                                BLOCK=block)
-    return out
+    return out.view(shape)
+
+
+def add_norm(h: torch.Tensor, delta: torch.Tensor, module) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h + delta, module(h + delta)) in one kernel where ``enabled`` (``residual.add_norm``)."""
+    from .residual import add_norm as one_kernel  # residual imports this module
+    return one_kernel(h, delta, module)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -231,33 +249,38 @@ def head_norm_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin
 
 
 def qk_rope_write(qkv: torch.Tensor, q_norm, k_norm, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
-                  cache_k: torch.Tensor, cache_v: torch.Tensor, heads: int, kv_heads: int,
-                  head_dim: int) -> torch.Tensor:
+                  cache_k: torch.Tensor, cache_v: torch.Tensor, heads: int, kv_heads: int, head_dim: int,
+                  rope_positions: torch.Tensor | None = None) -> torch.Tensor:
     """qkv (B, Q, >= (heads + 2 kv_heads) * head_dim), the q|k|v columns of one projection (rows may be strided)
     -> q (B, Q, heads, head_dim) after its head norm and RoPE; k (head norm, RoPE) and v go straight to their
-    cache slots ``slots`` (B, Q) of cache_k/v (B, kv_heads, S, head_dim). One kernel where ``enabled``, else
+    cache slots ``slots`` (B, Q) of cache_k/v (B, kv_heads, S, head_dim). cos/sin: (B, Q, rotary_dim), or
+    tables (P, rotary_dim) over positions read at ``rope_positions`` (B, Q). One kernel where ``enabled``, else
     ``norm_rope`` twice and ``write_kv``: the same values either way."""
     B, Q, _ = qkv.shape
     qw, kw = heads * head_dim, kv_heads * head_dim
+    table = rope_positions is not None
     if not enabled(qkv) or qkv.stride(-1) != 1 or cache_k.stride() != cache_v.stride() or cache_k.stride(-1) != 1:
+        if table:
+            cos, sin = cos[rope_positions], sin[rope_positions]
         q = norm_rope(q_norm, qkv[..., :qw], cos, sin, heads, head_dim)
         k = norm_rope(k_norm, qkv[..., qw:qw + kw], cos, sin, kv_heads, head_dim)
         write_kv(cache_k, cache_v, k, qkv[..., qw + kw:qw + 2 * kw].view(B, Q, kv_heads, head_dim), slots)
         return q
     x2 = qkv.reshape(B * Q, -1)
-    cs, sn = cos.reshape(B * Q, -1), sin.reshape(B * Q, -1)
+    cs, sn = (cos, sin) if table else (cos.reshape(B * Q, -1), sin.reshape(B * Q, -1))
     if cs.stride(-1) != 1 or sn.stride(-1) != 1 or cs.stride(0) != sn.stride(0):
         cs, sn = cs.contiguous(), sn.contiguous()
     n, rot = B * Q, cs.shape[-1]
+    rpos = rope_positions.reshape(-1).contiguous() if table else slots
     eps = [getattr(m, "variance_epsilon", None) or getattr(m, "eps") for m in (q_norm, k_norm)]
     if eps[0] != eps[1]:
         raise ValueError(f"qk_rope_write: q and k head norms with different eps ({eps[0]}, {eps[1]})")
     q = torch.empty((B, Q, heads, head_dim), device=qkv.device, dtype=qkv.dtype)
     block_t = max(1, min(16, 2048 // triton.next_power_of_2(head_dim)))
     _qk_rope_write_kernel[(triton.cdiv(n, block_t), heads + kv_heads)](
-        x2, q, q_norm.weight, k_norm.weight, cs, sn, slots.reshape(-1).contiguous(), cache_k, cache_v, n, Q,
-        x2.stride(0), cs.stride(0), cache_k.stride(0), cache_k.stride(1), cache_k.stride(2), float(eps[0]),
-        HQ=heads, NKV=kv_heads, HD=head_dim, ROT=rot, BLOCK_T=block_t,
+        x2, q, q_norm.weight, k_norm.weight, cs, sn, rpos, slots.reshape(-1).contiguous(), cache_k, cache_v, n,
+        Q, x2.stride(0), cs.stride(0), cache_k.stride(0), cache_k.stride(1), cache_k.stride(2), float(eps[0]),
+        HQ=heads, NKV=kv_heads, HD=head_dim, ROT=rot, TABLE=table, BLOCK_T=block_t,
         BLOCK_HALF=triton.next_power_of_2(rot // 2), BLOCK_PASS=triton.next_power_of_2(max(head_dim - rot, 1)),
         BLOCK_D=triton.next_power_of_2(head_dim), num_warps=4)
     return q
@@ -282,9 +305,16 @@ def norm_rope(module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, hea
     return TorchOps.norm_rope(module, x, cos, sin, heads, head_dim)
 
 
+def is_silu(act) -> bool:
+    """Whether ``act`` is plain SiLU: torch's module or function, or transformers' ``SiLUActivation`` (what
+    ``ACT2FN["silu"]`` gives Laguna's MLPs: a module that calls F.silu, not an ``nn.SiLU``)."""
+    return (act is torch.nn.functional.silu or isinstance(act, torch.nn.SiLU)
+            or (type(act).__name__ == "SiLUActivation" and type(act).__module__.startswith("transformers.")))
+
+
 def act_mul(act, gate_up: torch.Tensor) -> torch.Tensor:
     """act(gate) * up of gate_up (N, 2I) = [gate | up]: one kernel for SiLU where ``enabled``, else torch."""
-    if enabled(gate_up) and (isinstance(act, torch.nn.SiLU) or act is torch.nn.functional.silu):
+    if enabled(gate_up) and is_silu(act):
         return silu_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return act(gate) * up
