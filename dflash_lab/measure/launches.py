@@ -135,3 +135,24 @@ def count_launches(host_free: bool = False, where: bool = False):
     finally:
         for cls, run in restore:
             cls.run = run
+
+
+def phase_launches(decoder, prompts, *, max_new_tokens: int, host_free: bool | None = None) -> dict:
+    """The kernels each phase of one decode step launches (``Launches`` per phase name), on ``decoder``.
+
+    Prefills ``prompts``, runs one step uncounted (its one-off work: the first step's block ids, Triton's
+    specialisations), then counts each phase of the next step, run eagerly in order. host_free defaults to
+    True on a GPU (a small index built on the host launches nothing there) and False on the CPU.
+    """
+    from ..spec_decode.fast.decoder import PHASES
+
+    if host_free is None:
+        host_free = decoder.device.type != "cpu"
+    decoder.prefill([p.to(decoder.device) for p in prompts], max_new_tokens, ())
+    decoder._step()
+    counted = {}
+    for name in PHASES:
+        with count_launches(host_free=host_free) as seen:
+            getattr(decoder, f"_{name}")()
+        counted[name] = seen
+    return counted

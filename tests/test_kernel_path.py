@@ -1,0 +1,61 @@
+"""The static path with every lab kernel on, end to end, in Triton's CPU interpreter.
+
+One subprocess (``TRITON_INTERPRET=1``, ``DFLASH_LAB_FUSED=1``) serves both questions on the shipped pair:
+
+- lossless: with the kernels (fused attention, router, one-kernel layout, gathered experts with silu on
+  load, residual + norm tails, q/k norm + RoPE + cache write) both shipped drafters' fast generation equals
+  ``target.generate`` token for token in float32, and its draft counters equal the eager loop's;
+- cheaper: each phase of a step launches fewer kernels with the kernels than without (``measure.launches``,
+  the switch turned off in the same process), and no phase reads a device value on the host (a graphed
+  step could not hold one).
+"""
+
+from __future__ import annotations
+
+SCRIPT = r"""
+import json, os
+import torch
+from dflash_lab.assets import load_default_pair
+from dflash_lab.measure.launches import phase_launches
+from dflash_lab.spec_decode.fast.decoder import FastDecoder
+from dflash_lab.spec_decode.fast.generate import fast_generate_batch
+from dflash_lab.spec_decode.loop import speculative_generate
+
+target, paper, _ = load_default_pair("cpu", dtype=torch.float32)
+poolside = load_default_pair("cpu", dtype=torch.float32, drafter="poolside")[1]
+prompt = torch.randint(5, 4000, (21,), generator=torch.Generator().manual_seed(0))
+new = 12
+ref = target.generate(prompt[None], max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0)[0]
+out = {"lossless": {}, "launches": {}}
+for name, drafter in (("paper", paper), ("poolside", poolside)):
+    fast = fast_generate_batch(target, drafter, [prompt], max_new_tokens=new, block_size=16, cuda_graphs=False)[0]
+    eager = speculative_generate(target, drafter, prompt[None], max_new_tokens=new, block_size=16)
+    out["lossless"][name] = {
+        "equal_generate": torch.equal(fast.output_ids[0], ref),
+        "counters": [[fast.stats.num_drafts, fast.stats.num_accepted_tokens],
+                     [eager.stats.num_drafts, eager.stats.num_accepted_tokens]]}
+for switch in ("1", "0"):
+    os.environ["DFLASH_LAB_FUSED"] = switch
+    dec = FastDecoder(target, paper, batch=1, block_size=16, capacity=128, cuda_graphs=False)
+    counted = phase_launches(dec, [prompt], max_new_tokens=48)
+    out["launches"][switch] = {k: [v.total, sum(v.syncs.values()), sorted(v.triton)] for k, v in counted.items()}
+print(json.dumps(out))
+"""
+
+
+def test_kernels_on_are_lossless_and_launch_fewer_kernels_per_phase(interpreted):
+    out = interpreted(SCRIPT, "kernel_path.py")
+    for name, row in out["lossless"].items():
+        assert row["equal_generate"], f"{name}: the kernel path's tokens differ from target.generate"
+        fast, eager = row["counters"]
+        assert fast == eager, f"{name}: drafts/accepted {fast} on the kernel path, {eager} in the eager loop"
+        assert fast[0] > 0, f"{name}: no draft was verified"
+    on, off = out["launches"]["1"], out["launches"]["0"]
+    assert not any(kernels for _, _, kernels in off.values()), "the switch off still launched Triton kernels"
+    for phase in ("draft", "verify"):
+        assert on[phase][2], f"{phase}: no lab kernel ran with the switch on"
+        assert on[phase][0] < off[phase][0] / 2, f"{phase}: {on[phase][0]} kernels on, {off[phase][0]} off"
+    assert {"_route_kernel", "_align_kernel", "_block_gemm_kernel", "_residual_norm_kernel",
+            "_qk_rope_write_kernel", "_gated_attention_kernel"} <= set(on["verify"][2])
+    for phase, (_, syncs, _) in on.items():
+        assert syncs == 0, f"{phase} reads a device value on the host {syncs} times"
