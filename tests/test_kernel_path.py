@@ -57,5 +57,6 @@ def test_kernels_on_are_lossless_and_launch_fewer_kernels_per_phase(interpreted)
         assert on[phase][0] < off[phase][0] / 2, f"{phase}: {on[phase][0]} kernels on, {off[phase][0]} off"
     assert {"_route_kernel", "_align_kernel", "_block_gemm_kernel", "_residual_norm_kernel",
             "_qk_rope_write_kernel", "_gated_attention_kernel"} <= set(on["verify"][2])
+    assert on["accept"][0] == 1 and on["accept"][2] == ["_accept_kernel"], f"accept: {on['accept']}"
     for phase, (_, syncs, _) in on.items():
         assert syncs == 0, f"{phase} reads a device value on the host {syncs} times"

@@ -43,7 +43,8 @@ import math
 import torch
 
 from ...runtime import first_parameter, is_int
-from . import readback
+from . import readback, triton_ops
+from .accept import accept_step
 from .cuda_graphs import GraphedStep, new_pool
 from ..loop import SpecDecodeResult
 from ..proposers import check_block_size, resolve_drafter
@@ -118,6 +119,7 @@ class FastDecoder:
         self._host_drafts = torch.zeros((batch, K), dtype=torch.long, pin_memory=cuda)
         self._host_n = torch.zeros(batch, dtype=torch.long, pin_memory=cuda)
         self.draft_log, self.accepted_log = z(batch, capacity + 2), z(batch, capacity + 2)
+        self._accept_kernel = triton_ops.enabled(self.pos)  # the accept phase in one launch (``accept``)
 
         pool = new_pool(self.device)
         def graphed(fn, reset=self._reset):
@@ -173,6 +175,8 @@ class FastDecoder:
 
     def _accept(self, width: int | None = None) -> None:
         width = width or self.B
+        if self._accept_kernel:
+            return accept_step(self, width)
         K = width - 1
         verified = self.n_draft.clamp(max=K) if self.tree_budget is None else torch.full_like(self.n_draft,
                                                                                                 self.tree_budget)
