@@ -218,9 +218,8 @@ class DFlashLagunaDrafter(nn.Module):
                 f"aux hidden states have last dim {aux.shape[-1]}, expected {n_aux} target layers x "
                 f"hidden {ht} = {n_aux * ht}"
             )
-        slices = aux.unflatten(-1, (n_aux, ht))  # (..., n_aux, H_t)
-        normed = torch.stack([ops.norm(norm, s) for norm, s in zip(self.aux_hidden_norms, slices.unbind(-2))], dim=-2)
-        return ops.norm(self.hidden_norm, self.fc(normed.flatten(-2)))
+        return ops.norm(self.hidden_norm, self.fc(ops.norms(self.aux_hidden_norms, aux,
+                                                                      self.context_kv_buffers)))
 
     # --- step 2: context K/V (the three paths live in context_kv.py) ------------
     def precompute_context_kv(self, context: torch.Tensor, positions: torch.Tensor, path: str = "folded", *,

@@ -85,6 +85,13 @@ class TorchOps:
         return module(x)
 
     @staticmethod
+    def norms(modules, x: torch.Tensor, stacked: dict | None = None) -> torch.Tensor:
+        """x (..., G * D): slice g normed by modules[g], the results side by side again (..., G * D). ``stacked``
+        (where the fast path keeps the weights stacked) is not needed here."""
+        slices = x.unflatten(-1, (len(modules), -1)).unbind(-2)
+        return torch.stack([m(s) for m, s in zip(modules, slices)], dim=-2).flatten(-2)
+
+    @staticmethod
     def norm_rope(module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, head_dim: int):
         """A per-head norm then RoPE: x (..., heads * head_dim) -> (..., heads, head_dim)."""
         return apply_rope(module(x.unflatten(-1, (heads, head_dim))), cos, sin)

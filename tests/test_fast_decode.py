@@ -224,7 +224,25 @@ TRITON_SCRIPT = textwrap.dedent("""
         cos, sin = rope_cos_sin(torch.randint(0, 3000, (2, 5)), rd, 10000.0, torch.float32)
         ref = apply_rope(m(x.unflatten(-1, (4, hd))), cos, sin)
         errs.append((triton_ops.norm_rope(m, x, cos, sin, 4, hd) - ref).abs().max().item())
-    print(json.dumps({"enabled": triton_ops.enabled(x), "errs": errs}))
+    for G, D in ((5, 64), (3, 48)):  # a drafter's aux layers: each slice its own norm, in one kernel
+        mods = torch.nn.ModuleList(RMSNorm(D, 1e-6) for _ in range(G))
+        for m in mods:
+            m.weight.data.normal_(1, .3)
+        aux = torch.randn(9, G * D) * 2
+        stacked = {}
+        with torch.no_grad():
+            errs.append((triton_ops.norms(mods, aux, stacked) - torch.cat([m(s) for m, s in zip(mods, aux.split(D, -1))],
+                                                                          -1)).abs().max().item())
+            assert len(stacked) == 1  # the kernel ran on the stacked weights
+            mods[1].weight.mul_(2)
+            stacked.clear()  # the drafter's refresh_context_kv_buffers
+            errs.append((triton_ops.norms(mods, aux, stacked)[:, D:2 * D] - mods[1](aux[:, D:2 * D])).abs().max().item())
+    try:
+        triton_ops.rms_norm(torch.randn(2, 50), torch.ones(3, 16), 1e-6)
+        refused = ""
+    except ValueError as e:
+        refused = str(e)
+    print(json.dumps({"enabled": triton_ops.enabled(x), "errs": errs, "refused": refused}))
 """)
 
 
@@ -236,6 +254,7 @@ def test_fused_norm_kernels_match_the_modules_in_the_triton_interpreter():
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["enabled"] and max(out["errs"]) < 1e-5, out
+    assert "50 is not 3 x the weight's 16" in out["refused"]
 
 
 # ---------------------------------------------------------------------------

@@ -46,7 +46,9 @@ enabled = kernels.runs_here  # CUDA (or the interpreter), Triton installed, the 
 if triton is not None:
 
     @triton.jit
-    def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, N, D, stride_x, eps, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, N, D, stride_x, eps, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+                         GROUPS: tl.constexpr = 1):
+        # GROUPS > 1: row r is slice r % GROUPS of an input row, normed with weight row r % GROUPS (w: (GROUPS, D))
         rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]  # (R, 1)
         cols = tl.arange(0, BLOCK_D)[None, :]  # (1, D)
         mask = (rows < N) & (cols < D)
@@ -54,7 +56,7 @@ if triton is not None:
         rstd = 1.0 / tl.sqrt_rn(tl.sum(x * x, axis=1) / D + eps)  # (R,)
         dt = out_ptr.dtype.element_ty
         y = (x * rstd[:, None]).to(dt).to(tl.float32)  # normalised, rounded to the input dtype
-        w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + (rows % GROUPS) * D + cols, mask=mask, other=0.0).to(tl.float32)
         tl.store(out_ptr + rows.to(tl.int64) * D + cols, (w * y).to(dt), mask=mask)
 
     @triton.jit
@@ -210,9 +212,12 @@ def add_norm(h: torch.Tensor, delta: torch.Tensor, module) -> tuple[torch.Tensor
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Laguna's RMSNorm of x (..., D) in one kernel (rows may be strided; each row contiguous)."""
-    shape = x.shape
-    D = shape[-1]
+    """Laguna's RMSNorm of x (..., D) in one kernel (rows may be strided; each row contiguous). weight (G, D):
+    x (..., G * D) is G slices side by side, slice g normed with weight[g]."""
+    shape, groups = x.shape, (weight.shape[0] if weight.dim() == 2 else 1)
+    D = weight.shape[-1]
+    if shape[-1] != groups * D:
+        raise ValueError(f"rms_norm: x's last dimension {shape[-1]} is not {groups} x the weight's {D}")
     x2 = x.reshape(-1, D)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
@@ -221,7 +226,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if n:
         block_r = 4 if D <= 1024 else 1
         _rms_norm_kernel[(triton.cdiv(n, block_r),)](x2, weight, out, n, D, x2.stride(0), float(eps),
-                                                    BLOCK_R=block_r, BLOCK_D=triton.next_power_of_2(D), num_warps=4)
+                                                    BLOCK_R=block_r, BLOCK_D=triton.next_power_of_2(D), GROUPS=groups,
+                                                    num_warps=4)
     return out.view(shape)
 
 
@@ -295,6 +301,18 @@ def norm(module, x: torch.Tensor) -> torch.Tensor:
         eps = getattr(module, "variance_epsilon", None) or getattr(module, "eps")
         return rms_norm(x, module.weight, eps)
     return TorchOps.norm(module, x)
+
+
+def norms(modules, x: torch.Tensor, stacked: dict | None = None) -> torch.Tensor:
+    """``TorchOps.norms`` (slice g of x (..., G * D) normed by modules[g]) in one kernel where ``enabled``, the
+    weights stacked once into ``stacked`` under the contract of ``layers.stacked_linears`` (None: one by one)."""
+    eps = {getattr(m, "variance_epsilon", None) or getattr(m, "eps") for m in modules}
+    if stacked is None or not enabled(x) or len(eps) != 1:
+        return TorchOps.norms(modules, x)
+    key = ("norms", *modules, x.device, x.dtype)
+    if key not in stacked:
+        stacked[key] = torch.stack([m.weight.detach() for m in modules]).to(device=x.device, dtype=x.dtype)
+    return rms_norm(x, stacked[key], eps.pop())
 
 
 def norm_rope(module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
