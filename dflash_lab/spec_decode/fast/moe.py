@@ -199,17 +199,22 @@ if triton is not None:
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & (cols[None, :] < N_OUT))
 
 
+# The block GEMM's tile over a block's output columns and the reduced dimension, and its launch shape
+# (``scripts/moe_tiles.py`` times the choices at Laguna-XS.2's shape on a GPU).
+TILES = {"block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 3}
+
+
 def _block_gemm(a, a_index, w, out, out_index, row_pair, block_expert, used, scale, pairs: int,
                 silu_mul: bool = False) -> None:
     n_out, K = w.shape[1], w.shape[2]
     assert a.stride(-1) == 1 and w.stride(-1) == 1 and out.stride(-1) == 1
-    block_n, block_k = 64, 128
+    block_n, block_k = TILES["block_n"], TILES["block_k"]
     grid = (block_expert.shape[0], triton.cdiv(n_out, block_n))
     _block_gemm_kernel[grid](a, a_index, w, out, out_index, row_pair, block_expert, used,
                              scale if scale is not None else a, pairs, n_out, K, a.stride(0), w.stride(0), w.stride(1),
                              out.stride(0), HAS_SCALE=scale is not None, SILU_MUL=silu_mul, BLOCK_M=BLOCK_M,
                              BLOCK_N=block_n,
-                             BLOCK_K=block_k, num_warps=4, num_stages=3)
+                             BLOCK_K=block_k, num_warps=TILES["num_warps"], num_stages=TILES["num_stages"])
 
 
 if triton is not None:
