@@ -305,11 +305,11 @@ def xs2_steps_markdown(r: dict) -> str:
                   "| kernel | launches | ms |", "|---|---|---|"]
         lines += [f"| `{k['name']}` | {k['count']} | {k['ms']:.3f} |" for k in prof["top"]]
     one = min(r["target"], key=lambda t: t["block"])
+    biggest = ", ".join(f"`{k['name'][:40]}` {k['ms']:.3f} ms over {k['count']} launches"
+                        for k in (prof or {}).get("top", [])[:3])
     lines += ["", f"A target-only token costs {one['ms']:.2f} ms, {one['over_floor']:.1f}x its floor at the copy "
-              "bandwidth: the routed experts now read only the chosen experts (the MoE table above), and what is "
-              "left is the rest of each layer's small kernels ("
-              + ("" if r.get("target_sdpa_attention") else "attention through cuDNN's SDPA with an additive mask, ")
-              + "the router's top-k, scatters, casts): the static path is not a fused engine."]
+              "bandwidth: the routed experts read only the chosen experts (the MoE table above)"
+              + (f"; the largest shares of the eager profile are {biggest}" if biggest else "") + "."]
     sdpa = r.get("target_sdpa_attention")
     if sdpa:
         fused = {t["block"]: t["ms"] for t in r["target"]}

@@ -416,6 +416,8 @@ viz.step_time_figure(phases, taus=taus)
 # against the masks + SDPA route is printed below from one H100 run (`benchmarks/xs2_steps_h100.json`).
 
 # %%
+import statistics  # noqa: E402
+
 from dflash_lab.measure.speed_model import XS2_STEPS, lab_pair_table, poolside_table  # noqa: E402
 from dflash_lab.viz.speed_model import predicted_vs_published_figure  # noqa: E402
 
@@ -432,6 +434,14 @@ if attention_run.exists():
     for o in a.get("target_sdpa_attention", []):
         print(f"attention kernel ({a['device']}, one run): target {o['block']:>2} tokens {fused[o['block']]:.2f} ms, "
               f"with masks + SDPA {o['ms']:.2f} ms")
+    at = f" at commit {a['code']}" if a.get("code") else ""
+    print(f"the same steps on {a['device']}{at}, every static-path kernel on: "
+          + ", ".join(f"{t['block']} token(s) {t['ms']:.2f} ms" for t in a["target"])
+          + "; drafter " + ", ".join(f"{t['block']}: {t['ms']:.2f} ms" for t in a["drafter"]))
+    other = poolside_table(a)
+    print(f"Poolside's cards predicted from that run: median ratio predicted / published "
+          f"{statistics.median(r['ratio_measured'] for r in other):.2f} (from the H200 record below: "
+          f"{statistics.median(r['ratio_measured'] for r in poolside_table(xs2)):.2f})")
 cards, lab = poolside_table(xs2), lab_pair_table()
 held = speed.get("prompt_sets", {}).get("heldout", {})
 print("setting: each card's tau is Poolside's, on that benchmark's prompts at 15 speculative tokens (block 16); the "
