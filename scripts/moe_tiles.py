@@ -21,9 +21,9 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("needs CUDA", file=sys.stderr)
         return 1
-    cfg, dev = SimpleNamespace(**LAGUNA_XS_2_FULL), "cuda"
+    cfg, dev = SimpleNamespace(**LAGUNA_XS_2_FULL), torch.device("cuda")
     E, H, I, k = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok
-    g = torch.Generator(device=dev).manual_seed(0)
+    g = torch.Generator(device="cuda").manual_seed(0)
     ex = SimpleNamespace(gate_up_proj=torch.randn(E, 2 * I, H, device=dev, dtype=torch.bfloat16, generator=g) * .02,
                          down_proj=torch.randn(E, H, I, device=dev, dtype=torch.bfloat16, generator=g) * .02,
                          act_fn=torch.nn.functional.silu)

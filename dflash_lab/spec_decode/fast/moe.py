@@ -199,9 +199,11 @@ if triton is not None:
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & (cols[None, :] < N_OUT))
 
 
-# The block GEMM's tile over a block's output columns and the reduced dimension, and its launch shape
-# (``scripts/moe_tiles.py`` times the choices at Laguna-XS.2's shape on a GPU).
-TILES = {"block_n": 64, "block_k": 128, "num_warps": 4, "num_stages": 3}
+# The block GEMM's tile over a block's output columns and the reduced dimension, and its launch shape.
+# ``scripts/moe_tiles.py`` times the choices at Laguna-XS.2's shape (``benchmarks/moe_tiles_h100.md``): on an
+# H100 this one was the fastest at 1 and 16 tokens together (0.0358 / 0.2560 ms a layer, 64/128/4/3 before:
+# 0.0382 / 0.2802); every choice stays within 1.3x of it at 1 token, so the tile is not what is left.
+TILES = {"block_n": 64, "block_k": 64, "num_warps": 4, "num_stages": 3}
 
 
 def _block_gemm(a, a_index, w, out, out_index, row_pair, block_expert, used, scale, pairs: int,
