@@ -166,6 +166,27 @@ viz.serving_time_figure(split, title=f"Where a served run's time goes ({split_re
 # the same per-request cost is a six times larger share of its run. vLLM hides such costs with
 # asynchronous scheduling and by preparing the next step's inputs while the current one runs.
 
+# %% [markdown]
+# What does a step cost? On a GPU a small model's step costs its number of kernels more than its bytes:
+# each launch takes a few microseconds however little it reads, inside a CUDA graph too.
+# `measure.launches.phase_launches` counts them per phase on the pair loaded here, on this device. On a
+# CPU the lab's Triton kernels do not run (they need CUDA, or Triton's interpreter), so it counts the
+# torch ops that the kernels replace on a GPU. On an H100 the same count gives 40 / 83 / 8 / 1 kernels a
+# DFlash step of block 16 with the shipped pair (`README.md`, "Laguna-XS.2 at its true shape").
+
+# %%
+from dflash_lab.measure.launches import phase_launches  # noqa: E402
+
+for method, proposer, block in (("target_only", None, 1), ("dflash", drafter, BLOCK)):
+    dec = FastDecoder(target, proposer, batch=1, block_size=block, capacity=len(prompts[0]) + NEW_TOKENS,
+                      cuda_graphs=False)
+    counted = phase_launches(dec, prompts[:1], max_new_tokens=NEW_TOKENS)
+    lab = sum(sum(c.triton.values()) for c in counted.values())
+    print(f"{method:11s} one step on {device_name(device)}: "
+          + ", ".join(f"{name} {c.total}" for name, c in counted.items())
+          + f" = {sum(c.total for c in counted.values())} kernels ({lab} of them the lab's Triton kernels); "
+          f"host syncs inside the step: {sum(sum(c.syncs.values()) for c in counted.values())}")
+
 # %%
 rec32 = best("dflash", 32, "static")
 viz.straggler_figure(rec32["request_steps"], 32,

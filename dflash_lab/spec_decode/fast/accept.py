@@ -68,14 +68,14 @@ if triton is not None:
 
 def accept_step(dec, width: int) -> None:
     """``FastDecoder._accept`` of a step ``width`` tokens wide, in one launch on ``dec``'s buffers."""
-    K = width - 1
     for name in ("drafts", "argmax", "tokens", "draft_log", "accepted_log"):
         if getattr(dec, name).stride(-1) != 1:
             raise ValueError(f"accept_step needs a contiguous last dimension in the decoder's {name}")
+    if dec.draft_log.stride(0) != dec.accepted_log.stride(0):
+        raise ValueError("accept_step needs the draft and accepted logs laid out alike")
     _accept_kernel[(dec.pos.shape[0],)](
         dec.drafts, dec.argmax, dec.n_draft, dec.tokens, dec.stop_ids, dec.pos, dec.last, dec.limit,
         dec.active.view(torch.int8), dec.n_steps, dec.n_drafts, dec.draft_log, dec.accepted_log,
         dec.drafts.stride(0), dec.argmax.stride(0), dec.tokens.stride(0), dec.draft_log.stride(0),
         dec.draft_log.shape[1] - 1, -1 if dec.tree_budget is None else dec.tree_budget,
         WIDTH=width, N_STOP=dec.stop_ids.shape[0], BLOCK=triton.next_power_of_2(max(width, 2)))
-    del K
