@@ -215,8 +215,8 @@ def _block_gemm(a, a_index, w, out, out_index, row_pair, block_expert, used, sca
     _block_gemm_kernel[grid](a, a_index, w, out, out_index, row_pair, block_expert, used,
                              scale if scale is not None else a, pairs, n_out, K, a.stride(0), w.stride(0), w.stride(1),
                              out.stride(0), HAS_SCALE=scale is not None, SILU_MUL=silu_mul, BLOCK_M=BLOCK_M,
-                             BLOCK_N=block_n,
-                             BLOCK_K=block_k, num_warps=TILES["num_warps"], num_stages=TILES["num_stages"])
+                             BLOCK_N=block_n, BLOCK_K=block_k, num_warps=TILES["num_warps"],
+                             num_stages=TILES["num_stages"])
 
 
 if triton is not None:

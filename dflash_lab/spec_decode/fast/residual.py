@@ -60,10 +60,6 @@ if triton is not None:
         tl.store(x_out_ptr + n * D + cols, (w * (hf * rstd).to(dt).to(tl.float32)).to(dt), mask=m)
 
 
-def _eps(norm) -> float:
-    return float(getattr(norm, "variance_epsilon", None) or getattr(norm, "eps"))
-
-
 def _rows(t: torch.Tensor, D: int) -> torch.Tensor:
     t = t.reshape(-1, D)
     return t if t.stride(-1) == 1 else t.contiguous()
@@ -78,7 +74,7 @@ def _launch(h, d, shared, scale: float, norm, k: int):
     x_out = torch.empty_like(h_out)
     if n:
         _residual_norm_kernel[(n,)](h2, d2, s2, norm.weight, h_out, x_out, D, h2.stride(0), d2.stride(0),
-                                    s2.stride(0), float(scale), _eps(norm), K=k,
+                                    s2.stride(0), float(scale), triton_ops.norm_eps(norm), K=k,
                                     BLOCK_D=triton.next_power_of_2(D), num_warps=4 if D <= 2048 else 8)
     return h_out.view(shape), x_out.view(shape)
 

@@ -278,7 +278,7 @@ def qk_rope_write(qkv: torch.Tensor, q_norm, k_norm, cos: torch.Tensor, sin: tor
         cs, sn = cs.contiguous(), sn.contiguous()
     n, rot = B * Q, cs.shape[-1]
     rpos = rope_positions.reshape(-1).contiguous() if table else slots
-    eps = [getattr(m, "variance_epsilon", None) or getattr(m, "eps") for m in (q_norm, k_norm)]
+    eps = [norm_eps(m) for m in (q_norm, k_norm)]
     if eps[0] != eps[1]:
         raise ValueError(f"qk_rope_write: q and k head norms with different eps ({eps[0]}, {eps[1]})")
     q = torch.empty((B, Q, heads, head_dim), device=qkv.device, dtype=qkv.dtype)
@@ -295,18 +295,22 @@ def qk_rope_write(qkv: torch.Tensor, q_norm, k_norm, cos: torch.Tensor, sin: tor
 linears = stacked_linears  # several projections of one input in one GEMM (on every device)
 
 
+def norm_eps(module) -> float:
+    """An RMSNorm module's epsilon: transformers' Laguna names it variance_epsilon, the lab's eps."""
+    return float(getattr(module, "variance_epsilon", None) or getattr(module, "eps"))
+
+
 def norm(module, x: torch.Tensor) -> torch.Tensor:
     """An RMSNorm module (Laguna's or the lab's) applied to x: one kernel where ``enabled``, else the module."""
     if enabled(x):
-        eps = getattr(module, "variance_epsilon", None) or getattr(module, "eps")
-        return rms_norm(x, module.weight, eps)
+        return rms_norm(x, module.weight, norm_eps(module))
     return TorchOps.norm(module, x)
 
 
 def norms(modules, x: torch.Tensor, stacked: dict | None = None) -> torch.Tensor:
     """``TorchOps.norms`` (slice g of x (..., G * D) normed by modules[g]) in one kernel where ``enabled``, the
     weights stacked once into ``stacked`` under the contract of ``layers.stacked_linears`` (None: one by one)."""
-    eps = {getattr(m, "variance_epsilon", None) or getattr(m, "eps") for m in modules}
+    eps = {norm_eps(m) for m in modules}
     if stacked is None or not enabled(x) or len(eps) != 1:
         return TorchOps.norms(modules, x)
     key = ("norms", *modules, x.device, x.dtype)
@@ -318,8 +322,7 @@ def norms(modules, x: torch.Tensor, stacked: dict | None = None) -> torch.Tensor
 def norm_rope(module, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
     """A head norm module then RoPE: one kernel where ``enabled``, else ``layers.TorchOps.norm_rope``."""
     if enabled(x):
-        eps = getattr(module, "variance_epsilon", None) or getattr(module, "eps")
-        return head_norm_rope(x, module.weight, cos, sin, eps, heads, head_dim)
+        return head_norm_rope(x, module.weight, cos, sin, norm_eps(module), heads, head_dim)
     return TorchOps.norm_rope(module, x, cos, sin, heads, head_dim)
 
 
