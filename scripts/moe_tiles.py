@@ -1,9 +1,11 @@
-"""Time the routed experts' block GEMM (``spec_decode.fast.moe``) at Laguna-XS.2's shape over tile choices.
+"""Time the routed experts' kernels (``spec_decode.fast.moe``) at Laguna-XS.2's shape over tile choices.
 
-One sparse layer's routed experts alone, graphed (``bench_xs2_steps.moe_layer_diagnostics``'s setting), for
-1 and 16 tokens, at each (block_n, block_k, num_warps, num_stages) below. Needs CUDA.
+One sparse layer's routed experts alone, graphed (``bench_xs2_steps.moe_layer_diagnostics``'s setting). The
+block GEMM for 1 and 16 tokens, at each (block_n, block_k, num_warps, num_stages) below; with --gemv the
+one-token GEMV kernel at each (block_n, block_k, num_warps), beside the block GEMM running the same token as
+the decode step ran it before (one 16-row block per chosen expert). Needs CUDA.
 
-    python scripts/moe_tiles.py
+    python scripts/moe_tiles.py [--gemv]
 """
 
 import itertools
@@ -15,6 +17,38 @@ import torch
 from dflash_lab.presets import LAGUNA_XS_2_FULL
 from dflash_lab.spec_decode.fast import moe
 from dflash_lab.measure.timing import graphed_ms
+
+
+def block_path_one_token(ex, x, selected, weights):
+    """One token through the block GEMMs (the decode step before the GEMV kernel): k blocks of 16 rows."""
+    k = selected.shape[1]
+    row_pair, used, rows, _, token_of_row = moe._one_token(k, moe.BLOCK_M, x.device)
+    h = torch.empty(rows.numel(), ex.gate_up_proj.shape[1], device=x.device, dtype=x.dtype)
+    sel = selected.reshape(-1)
+    moe._block_gemm(x, token_of_row, ex.gate_up_proj, h, rows, row_pair, sel, used, None, k)
+    out = torch.empty(k, ex.down_proj.shape[1], device=x.device, dtype=x.dtype)
+    moe._block_gemm(h, rows, ex.down_proj, out, row_pair, row_pair, sel, used, weights.reshape(-1), k, True)
+    return out
+
+
+def gemv_sweep(ex, case, dev) -> None:
+    ref = block_path_one_token(ex, *case).float()
+    default = dict(moe.GEMV_TILES)
+    block_ms = graphed_ms(lambda: block_path_one_token(ex, *case), dev)
+    print(f"block GEMM path, 1 token: {block_ms:.4f} ms (tile {moe.TILES})\n")
+    print("| block_n | block_k | warps | 1 token ms | x block path | max rel. diff |\n|---|---|---|---|---|---|")
+    for bn, bk, w in itertools.product((4, 8, 16, 32), (128, 256, 512), (2, 4, 8)):
+        moe.GEMV_TILES.update(block_n=bn, block_k=bk, num_warps=w)
+        try:
+            out = moe.gathered_experts(ex, *case, reduce=False)[0].float()
+            ms = graphed_ms(lambda: moe.gathered_experts(ex, *case, reduce=False), dev)
+        except Exception as e:  # a tile that does not compile or fit is reported, not fatal
+            print(f"| {bn} | {bk} | {w} | {type(e).__name__} | | |")
+            continue
+        diff = ((out - ref).abs().max() / ref.abs().max()).item()
+        mark = " (default)" if moe.GEMV_TILES == default else ""
+        print(f"| {bn} | {bk} | {w} | {ms:.4f}{mark} | {ms / block_ms:.2f} | {diff:.1e} |", flush=True)
+    moe.GEMV_TILES.update(default)
 
 
 def main() -> int:
@@ -34,6 +68,9 @@ def main() -> int:
         selected = torch.stack([torch.randperm(E, generator=cpu)[:k] for _ in range(n)]).to(dev)
         cases[n] = (torch.randn(n, H, device=dev, dtype=torch.bfloat16, generator=g), selected,
                     torch.rand(n, k, generator=cpu).to(dev, torch.bfloat16))
+    if "--gemv" in sys.argv[1:]:
+        gemv_sweep(ex, cases[1], dev)
+        return 0
     print("| block_n | block_k | warps | stages | 1 token ms | 16 tokens ms |\n|---|---|---|---|---|---|")
     for bn, bk, w, st in itertools.product((16, 32, 64, 128), (64, 128, 256), (4, 8), (3, 4)):
         moe.TILES.update(block_n=bn, block_k=bk, num_warps=w, num_stages=st)

@@ -16,6 +16,9 @@ reads the weights of the experts that were chosen and no others: at Laguna-XS.2'
                 (gathered from the tokens for gate/up, from the padded rows for down).
                 A block of B tokens therefore reads each DISTINCT expert it touches
                 once (a few times more only when an expert holds more than BLOCK_M rows)
+    one token   the decode step's k pairs need neither layout nor blocks: a GEMV kernel per projection,
+                program (pair, column tile), streams each chosen expert's rows once; the gate/up
+                program writes silu(gate) * up itself
 
 On CUDA the GEMMs are a Triton kernel; elsewhere (and as the reference) the same
 blocks run as one batched matmul over the block experts' weights, exact in float32. The router
@@ -222,6 +225,75 @@ def _block_gemm(a, a_index, w, out, out_index, row_pair, block_expert, used, sca
 if triton is not None:
 
     @triton.jit
+    def _pair_gemv_kernel(a_ptr, w_ptr, out_ptr, expert_ptr, scale_ptr, N_OUT, K, A_DIV, stride_a, stride_we,
+                          stride_wn, stride_out, HAS_SCALE: tl.constexpr, SILU_MUL: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """One (token, expert) pair, one tile of output columns: out[p] = a[p // A_DIV] @ w[e]^T (* scale[p]).
+        No 16-row block around a single row: every program streams its BLOCK_N weight rows with plain loads and
+        sums products in float32. SILU_MUL: w holds [gate | up] (2 * N_OUT rows) and the program writes
+        silu(gate) * up, each rounded to the output dtype as the block path's two steps round them."""
+        p = tl.program_id(0)
+        e = tl.load(expert_ptr + p).to(tl.int64)
+        a_row = a_ptr + (p // A_DIV).to(tl.int64) * stride_a
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        cmask = cols < N_OUT
+        ks = tl.arange(0, BLOCK_K)
+        w_rows = w_ptr + e * stride_we + cols[:, None].to(tl.int64) * stride_wn
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kmask = (k0 + ks) < K
+            a = tl.load(a_row + k0 + ks, mask=kmask, other=0.0).to(tl.float32)[None, :]
+            m = cmask[:, None] & kmask[None, :]
+            acc += tl.load(w_rows + k0 + ks[None, :], mask=m, other=0.0).to(tl.float32) * a
+            if SILU_MUL:
+                acc_up += tl.load(w_rows + N_OUT * stride_wn + k0 + ks[None, :], mask=m, other=0.0).to(tl.float32) * a
+        dt = out_ptr.dtype.element_ty
+        y = tl.sum(acc, axis=1)
+        if SILU_MUL:
+            g = y.to(dt).to(tl.float32)
+            y = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32) * tl.sum(acc_up, axis=1).to(dt).to(tl.float32)
+        if HAS_SCALE:
+            y = y * tl.load(scale_ptr + p).to(tl.float32)
+        tl.store(out_ptr + p.to(tl.int64) * stride_out + cols, y.to(dt), mask=cmask)
+
+
+# The one-token kernel's tile: output columns and reduced elements per program and iteration (its own choice:
+# ``scripts/moe_tiles.py`` times it beside the block GEMM's).
+GEMV_TILES = {"block_n": 16, "block_k": 256, "num_warps": 4}
+
+
+def _pair_gemv(a, w, out, expert, scale, a_div: int, silu_mul: bool = False) -> None:
+    """out (P, n) = each pair's row of a (row p // a_div) times its expert's w (E, N_w, K); n = N_w / 2 with
+    silu_mul (w's rows [gate | up]), else N_w."""
+    n_out, K = out.shape[1], w.shape[2]
+    assert a.stride(-1) == 1 and w.stride(-1) == 1 and out.stride(-1) == 1 and a.shape[-1] == K
+    assert w.shape[1] == (2 * n_out if silu_mul else n_out)
+    block_n = GEMV_TILES["block_n"]
+    grid = (expert.numel(), triton.cdiv(n_out, block_n))
+    _pair_gemv_kernel[grid](a, w, out, expert, scale if scale is not None else a, n_out, K, a_div, a.stride(0),
+                            w.stride(0), w.stride(1), out.stride(0), HAS_SCALE=scale is not None, SILU_MUL=silu_mul,
+                            BLOCK_N=block_n, BLOCK_K=GEMV_TILES["block_k"], num_warps=GEMV_TILES["num_warps"])
+
+
+def _one_token_experts(experts, x: torch.Tensor, selected: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """The decode step's routed experts: one token, k distinct experts, each read once by a GEMV kernel (the
+    16-row block of the batched path would carry one row). -> (k, H): each expert's weighted output."""
+    k = selected.shape[1]
+    w_gu, w_down = experts.gate_up_proj, experts.down_proj
+    sel = selected.reshape(-1).contiguous()
+    silu = triton_ops.is_silu(experts.act_fn)
+    h = torch.empty(k, w_gu.shape[1] // 2 if silu else w_gu.shape[1], device=x.device, dtype=x.dtype)
+    _pair_gemv(x, w_gu, h, sel, None, k, silu)
+    act = h if silu else triton_ops.act_mul(experts.act_fn, h)
+    out = torch.empty(k, w_down.shape[1], device=x.device, dtype=x.dtype)
+    _pair_gemv(act, w_down, out, sel, weights.reshape(-1).contiguous(), 1)
+    return out
+
+
+if triton is not None:
+
+    @triton.jit
     def _route_kernel(logits_ptr, bias_ptr, w_ptr, sel_ptr, E, stride_l,
                       TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
         n = tl.program_id(0).to(tl.int64)
@@ -286,7 +358,9 @@ def gathered_experts(experts, x: torch.Tensor, selected: torch.Tensor, weights: 
     w_gu, w_down = experts.gate_up_proj, experts.down_proj
     x = x.contiguous()
     use_kernel = kernel_runs(x) if kernel is None else kernel
-    if use_kernel and N > 1:  # the layout in one kernel instead of align's ~20 small ones
+    if use_kernel and N == 1:  # the decode step: a GEMV per chosen expert, no layout
+        out = _one_token_experts(experts, x, selected, weights)
+    elif use_kernel:  # the layout in one kernel instead of align's ~20 small ones
         row_pair, block_expert, used, rows, token_of_row = align_rows(selected, w_gu.shape[0])
     else:
         row_pair, block_expert, used = align(selected, w_gu.shape[0])
@@ -296,14 +370,14 @@ def gathered_experts(experts, x: torch.Tensor, selected: torch.Tensor, weights: 
             rows = torch.arange(row_pair.numel(), device=x.device)
             valid = row_pair < P
             token_of_row = torch.where(valid, row_pair // k, 0)
-    if use_kernel:
+    if use_kernel and N > 1:
         h = torch.empty(row_pair.numel(), w_gu.shape[1], device=x.device, dtype=x.dtype)
         _block_gemm(x, token_of_row, w_gu, h, rows, row_pair, block_expert, used, None, P)
         silu = triton_ops.is_silu(experts.act_fn)  # then the activation runs inside the down projection's loads
         act = h if silu else triton_ops.act_mul(experts.act_fn, h)  # padding rows hold garbage, never read
         out = torch.empty(P, w_down.shape[1], device=x.device, dtype=x.dtype)  # every pair is one row: all written
         _block_gemm(act, rows, w_down, out, row_pair, row_pair, block_expert, used, weights.reshape(-1), P, silu)
-    else:
+    elif not use_kernel:
         a = x[token_of_row] * valid[:, None].to(x.dtype)
         gate, up = _blocks_matmul(a, w_gu, block_expert, BLOCK_M).chunk(2, dim=-1)
         o = _blocks_matmul(experts.act_fn(gate) * up, w_down, block_expert, BLOCK_M)  # (rows, H)
