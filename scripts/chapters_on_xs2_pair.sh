@@ -3,7 +3,8 @@
 # in the real format (`python -m dflash_lab.user_pair --full-width`: the target sharded with an index,
 # hidden 2048, 256 experts top-8, vocabulary 100352, XS.2's layer pattern; a drafter at the
 # XS-2.1-DFlash preset's shape), then each chapter named runs on it as `make report` runs it, and its
-# wall time is printed.
+# wall time is printed. Each executed notebook is kept in $OUT, so what a chapter printed about the pair can be
+# read afterwards. REUSE=1 keeps a pair already built in $PAIR.
 #
 #   OUT=runs/xs2-chapters LAYERS=8 scripts/chapters_on_xs2_pair.sh 02 05 07 03
 set -uo pipefail
@@ -13,8 +14,11 @@ PAIR=${PAIR:-/tmp/xs2-pair}
 PYTHON=${PYTHON:-python3}
 mkdir -p "$OUT"
 start=$(date +%s)
-"$PYTHON" -m dflash_lab.user_pair --out "$PAIR" --layers "$LAYERS" --full-width --device cuda --shard-size 4GB \
-  || exit 1
+DEVICE=${DEVICE:-cuda}
+if [ "${REUSE:-0}" != 1 ] || [ ! -f "$PAIR/target/model.safetensors.index.json" ]; then
+  "$PYTHON" -m dflash_lab.user_pair --out "$PAIR" --layers "$LAYERS" --full-width --device "$DEVICE" \
+    --shard-size 4GB || exit 1
+fi
 echo "pair: $LAYERS-layer XS.2-shaped target + XS-2.1-DFlash-shaped drafter, built in $(( $(date +%s) - start )) s" \
   | tee -a "$OUT/summary.txt"
 export DFLASH_LAB_TARGET=$PAIR/target DFLASH_LAB_DRAFTER=$PAIR/drafter
@@ -24,8 +28,11 @@ for ch in "$@"; do
   # nbclient alone (no HTML export): run it top to bottom in a fresh kernel, as `make report` does
   timeout "${CHAPTER_TIMEOUT:-420}" "$PYTHON" -c 'import sys, nbformat, nbclient
 nb = nbformat.read(sys.argv[1], as_version=4)
-nbclient.NotebookClient(nb, timeout=1800, kernel_name="python3", resources={"metadata": {"path": "notebooks"}}).execute()
-print("ran", sys.argv[1])' "$nb" > "$OUT/chapter-$ch.log" 2>&1
+try:
+    nbclient.NotebookClient(nb, timeout=1800, kernel_name="python3", resources={"metadata": {"path": "notebooks"}}).execute()
+finally:
+    nbformat.write(nb, sys.argv[2])
+print("ran", sys.argv[1])' "$nb" "$OUT/chapter-$ch.ipynb" > "$OUT/chapter-$ch.log" 2>&1
   rc=$?
   echo "chapter $ch: exit $rc, $(( $(date +%s) - start )) s" | tee -a "$OUT/summary.txt"
 done

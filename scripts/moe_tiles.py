@@ -18,6 +18,8 @@ from dflash_lab.presets import LAGUNA_XS_2_FULL
 from dflash_lab.spec_decode.fast import moe
 from dflash_lab.measure.timing import graphed_ms
 
+LAYERS = 8  # one-token calls a graph in the GEMV sweep, each on different experts
+
 
 def block_path_one_token(ex, x, selected, weights):
     """One token through the block GEMMs (the decode step before the GEMV kernel): k blocks of 16 rows."""
@@ -31,24 +33,40 @@ def block_path_one_token(ex, x, selected, weights):
     return out
 
 
-def gemv_sweep(ex, case, dev) -> None:
-    ref = block_path_one_token(ex, *case).float()
-    default = dict(moe.GEMV_TILES)
-    block_ms = graphed_ms(lambda: block_path_one_token(ex, *case), dev)
-    print(f"block GEMM path, 1 token: {block_ms:.4f} ms (tile {moe.TILES})\n")
-    print("| block_n | block_k | warps | 1 token ms | x block path | max rel. diff |\n|---|---|---|---|---|---|")
-    for bn, bk, w in itertools.product((4, 8, 16, 32), (128, 256, 512), (2, 4, 8)):
-        moe.GEMV_TILES.update(block_n=bn, block_k=bk, num_warps=w)
-        try:
-            out = moe.gathered_experts(ex, *case, reduce=False)[0].float()
-            ms = graphed_ms(lambda: moe.gathered_experts(ex, *case, reduce=False), dev)
-        except Exception as e:  # a tile that does not compile or fit is reported, not fatal
-            print(f"| {bn} | {bk} | {w} | {type(e).__name__} | | |")
-            continue
-        diff = ((out - ref).abs().max() / ref.abs().max()).item()
-        mark = " (default)" if moe.GEMV_TILES == default else ""
-        print(f"| {bn} | {bk} | {w} | {ms:.4f}{mark} | {ms / block_ms:.2f} | {diff:.1e} |", flush=True)
-    moe.GEMV_TILES.update(default)
+def gemv_sweep(ex, x, weights, dev) -> dict:
+    """Each projection's GEMV tile over the choices, the other projection at its default; the best are set in
+    ``moe.GEMV_TILES`` and returned. One graph runs LAYERS one-token calls whose experts are all different (the
+    chosen weights of one call would otherwise stay in L2 between calls); ms per call."""
+    E, k = ex.gate_up_proj.shape[0], weights.shape[1]
+    sels = torch.randperm(E, generator=torch.Generator().manual_seed(7))[:LAYERS * k].view(LAYERS, 1, k).to(dev)
+    calls = lambda path: [path(ex, x, s, weights) for s in sels]  # noqa: E731
+    ref = block_path_one_token(ex, x, sels[0], weights).float()
+    block_ms = graphed_ms(lambda: calls(block_path_one_token), dev) / LAYERS
+    print(f"block GEMM path, 1 token: {block_ms:.4f} ms a call (tile {moe.TILES}), {LAYERS} calls a graph\n")
+    gemv = lambda e, x_, s, w: moe.gathered_experts(e, x_, s, w, reduce=False)  # noqa: E731
+    best = {}
+    for proj, ks in (("gate_up", (256, 512, 1024, 2048)), ("down", (128, 256, 512))):
+        default = dict(moe.GEMV_TILES[proj])
+        print(f"| {proj} block_n | block_k | warps | 1 token ms | x block path | max rel. diff |\n|---|---|---|---|---|---|")
+        timed = []
+        for bn, bk, w in itertools.product((4, 8, 16), ks, (1, 2, 4)):
+            moe.GEMV_TILES[proj] = dict(block_n=bn, block_k=bk, num_warps=w)
+            try:
+                out = gemv(ex, x, sels[0], weights)[0].float()
+                ms = graphed_ms(lambda: calls(gemv), dev, reps=100) / LAYERS
+            except Exception as e:  # a tile that does not compile or fit is reported, not fatal
+                print(f"| {bn} | {bk} | {w} | {type(e).__name__} | | |")
+                continue
+            diff = ((out - ref).abs().max() / ref.abs().max()).item()
+            mark = " (default)" if moe.GEMV_TILES[proj] == default else ""
+            print(f"| {bn} | {bk} | {w} | {ms:.4f}{mark} | {ms / block_ms:.2f} | {diff:.1e} |", flush=True)
+            timed.append((ms, dict(moe.GEMV_TILES[proj])))
+        best[proj] = min(timed, key=lambda t: t[0])[1]
+        moe.GEMV_TILES[proj] = best[proj]
+        print(f"\nbest {proj}: {best[proj]}\n")
+    ms = graphed_ms(lambda: calls(gemv), dev, reps=200) / LAYERS
+    print(f"both at their best: {ms:.4f} ms a call, {ms / block_ms:.2f}x the block path")
+    return best
 
 
 def main() -> int:
@@ -69,7 +87,7 @@ def main() -> int:
         cases[n] = (torch.randn(n, H, device=dev, dtype=torch.bfloat16, generator=g), selected,
                     torch.rand(n, k, generator=cpu).to(dev, torch.bfloat16))
     if "--gemv" in sys.argv[1:]:
-        gemv_sweep(ex, cases[1], dev)
+        gemv_sweep(ex, cases[1][0], cases[1][2], dev)
         return 0
     print("| block_n | block_k | warps | stages | 1 token ms | 16 tokens ms |\n|---|---|---|---|---|---|")
     for bn, bk, w, st in itertools.product((16, 32, 64, 128), (64, 128, 256), (4, 8), (3, 4)):

@@ -258,22 +258,24 @@ if triton is not None:
         tl.store(out_ptr + p.to(tl.int64) * stride_out + cols, y.to(dt), mask=cmask)
 
 
-# The one-token kernel's tile: output columns and reduced elements per program and iteration (its own choice:
-# ``scripts/moe_tiles.py`` times it beside the block GEMM's).
-GEMV_TILES = {"block_n": 16, "block_k": 256, "num_warps": 4}
+# The one-token kernel's tiles, one per projection (gate/up reduces over the hidden size, down over the expert
+# width): output columns per program, reduced elements per iteration, warps. ``scripts/moe_tiles.py --gemv``
+# times the choices at Laguna-XS.2's shape beside the block GEMM.
+GEMV_TILES = {"gate_up": {"block_n": 8, "block_k": 512, "num_warps": 2},
+              "down": {"block_n": 8, "block_k": 512, "num_warps": 2}}
 
 
-def _pair_gemv(a, w, out, expert, scale, a_div: int, silu_mul: bool = False) -> None:
+def _pair_gemv(a, w, out, expert, scale, a_div: int, silu_mul: bool = False, tile: str = "down") -> None:
     """out (P, n) = each pair's row of a (row p // a_div) times its expert's w (E, N_w, K); n = N_w / 2 with
     silu_mul (w's rows [gate | up]), else N_w."""
     n_out, K = out.shape[1], w.shape[2]
     assert a.stride(-1) == 1 and w.stride(-1) == 1 and out.stride(-1) == 1 and a.shape[-1] == K
     assert w.shape[1] == (2 * n_out if silu_mul else n_out)
-    block_n = GEMV_TILES["block_n"]
-    grid = (expert.numel(), triton.cdiv(n_out, block_n))
+    t = GEMV_TILES[tile]
+    grid = (expert.numel(), triton.cdiv(n_out, t["block_n"]))
     _pair_gemv_kernel[grid](a, w, out, expert, scale if scale is not None else a, n_out, K, a_div, a.stride(0),
                             w.stride(0), w.stride(1), out.stride(0), HAS_SCALE=scale is not None, SILU_MUL=silu_mul,
-                            BLOCK_N=block_n, BLOCK_K=GEMV_TILES["block_k"], num_warps=GEMV_TILES["num_warps"])
+                            BLOCK_N=t["block_n"], BLOCK_K=t["block_k"], num_warps=t["num_warps"])
 
 
 def _one_token_experts(experts, x: torch.Tensor, selected: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -284,7 +286,7 @@ def _one_token_experts(experts, x: torch.Tensor, selected: torch.Tensor, weights
     sel = selected.reshape(-1).contiguous()
     silu = triton_ops.is_silu(experts.act_fn)
     h = torch.empty(k, w_gu.shape[1] // 2 if silu else w_gu.shape[1], device=x.device, dtype=x.dtype)
-    _pair_gemv(x, w_gu, h, sel, None, k, silu)
+    _pair_gemv(x, w_gu, h, sel, None, k, silu, tile="gate_up")
     act = h if silu else triton_ops.act_mul(experts.act_fn, h)
     out = torch.empty(k, w_down.shape[1], device=x.device, dtype=x.dtype)
     _pair_gemv(act, w_down, out, sel, weights.reshape(-1).contiguous(), 1)
