@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import torch
 
 from dflash_lab.presets import LAGUNA_XS_2_FULL
-from dflash_lab.spec_decode.fast import moe
+from dflash_lab.spec_decode.fast import gemv, moe
 from dflash_lab.measure.timing import graphed_ms
 
 LAYERS = 8  # one-token calls a graph in the GEMV sweep, each on different experts
@@ -35,7 +35,7 @@ def block_path_one_token(ex, x, selected, weights):
 
 def gemv_sweep(ex, x, weights, dev) -> dict:
     """Each projection's GEMV tile over the choices, the other projection at its default; the best are set in
-    ``moe.GEMV_TILES`` and returned. One graph runs LAYERS one-token calls whose experts are all different (the
+    ``gemv.TILES`` and returned. One graph runs LAYERS one-token calls whose experts are all different (the
     chosen weights of one call would otherwise stay in L2 between calls); ms per call."""
     E, k = ex.gate_up_proj.shape[0], weights.shape[1]
     sels = torch.randperm(E, generator=torch.Generator().manual_seed(7))[:LAYERS * k].view(LAYERS, 1, k).to(dev)
@@ -43,29 +43,66 @@ def gemv_sweep(ex, x, weights, dev) -> dict:
     ref = block_path_one_token(ex, x, sels[0], weights).float()
     block_ms = graphed_ms(lambda: calls(block_path_one_token), dev) / LAYERS
     print(f"block GEMM path, 1 token: {block_ms:.4f} ms a call (tile {moe.TILES}), {LAYERS} calls a graph\n")
-    gemv = lambda e, x_, s, w: moe.gathered_experts(e, x_, s, w, reduce=False)  # noqa: E731
+    gemv_call = lambda e, x_, s, w: moe.gathered_experts(e, x_, s, w, reduce=False)  # noqa: E731
     best = {}
-    for proj, ks in (("gate_up", (256, 512, 1024, 2048)), ("down", (128, 256, 512))):
-        default = dict(moe.GEMV_TILES[proj])
+    for proj, ks in (("gate_up", (512, 1024, 2048)), ("down", (256, 512))):
+        default = dict(gemv.TILES[proj])
         print(f"| {proj} block_n | block_k | warps | 1 token ms | x block path | max rel. diff |\n|---|---|---|---|---|---|")
         timed = []
-        for bn, bk, w in itertools.product((4, 8, 16), ks, (1, 2, 4)):
-            moe.GEMV_TILES[proj] = dict(block_n=bn, block_k=bk, num_warps=w)
+        for bn, bk, w in itertools.product((4, 8, 16), ks, (2, 4)):
+            gemv.TILES[proj] = dict(block_n=bn, block_k=bk, num_warps=w)
             try:
-                out = gemv(ex, x, sels[0], weights)[0].float()
-                ms = graphed_ms(lambda: calls(gemv), dev, reps=100) / LAYERS
+                out = gemv_call(ex, x, sels[0], weights)[0].float()
+                ms = graphed_ms(lambda: calls(gemv_call), dev, reps=100) / LAYERS
             except Exception as e:  # a tile that does not compile or fit is reported, not fatal
                 print(f"| {bn} | {bk} | {w} | {type(e).__name__} | | |")
                 continue
             diff = ((out - ref).abs().max() / ref.abs().max()).item()
-            mark = " (default)" if moe.GEMV_TILES[proj] == default else ""
+            mark = " (default)" if gemv.TILES[proj] == default else ""
             print(f"| {bn} | {bk} | {w} | {ms:.4f}{mark} | {ms / block_ms:.2f} | {diff:.1e} |", flush=True)
-            timed.append((ms, dict(moe.GEMV_TILES[proj])))
+            timed.append((ms, dict(gemv.TILES[proj])))
         best[proj] = min(timed, key=lambda t: t[0])[1]
-        moe.GEMV_TILES[proj] = best[proj]
+        gemv.TILES[proj] = best[proj]
         print(f"\nbest {proj}: {best[proj]}\n")
-    ms = graphed_ms(lambda: calls(gemv), dev, reps=200) / LAYERS
+    ms = graphed_ms(lambda: calls(gemv_call), dev, reps=200) / LAYERS
     print(f"both at their best: {ms:.4f} ms a call, {ms / block_ms:.2f}x the block path")
+    best["dense"] = dense_sweep(dev)
+    return best
+
+
+def dense_sweep(dev) -> dict:
+    """``gemv.linear``'s tile over one-row products at a sparse layer's dense shapes (qkv+gate of a sliding
+    layer, o_proj, the router | shared gate | up, the shared down), LAYERS copies of each so none stays in L2,
+    against F.linear (cuBLAS); sets the best tile, and ``gemv.DENSE`` to whichever is faster."""
+    cfg = SimpleNamespace(**LAGUNA_XS_2_FULL)
+    H, hd, I_s = cfg.hidden_size, cfg.head_dim, cfg.shared_expert_intermediate_size
+    heads = max(cfg.num_attention_heads_per_layer) if hasattr(cfg, "num_attention_heads_per_layer") else 64
+    shapes = [(heads * hd + 2 * cfg.num_key_value_heads * hd + heads, H), (H, heads * hd),
+              (cfg.num_experts + 2 * I_s, H), (H, I_s)]
+    g = torch.Generator(device="cuda").manual_seed(1)
+    ws = [[torch.randn(n, kk, device=dev, dtype=torch.bfloat16, generator=g) * .02 for n, kk in shapes]
+          for _ in range(LAYERS)]
+    xs = {kk: torch.randn(1, kk, device=dev, dtype=torch.bfloat16, generator=g) for _, kk in shapes}
+    step = lambda f: [f(xs[w.shape[1]], w) for layer in ws for w in layer]  # noqa: E731
+    cublas = graphed_ms(lambda: step(torch.nn.functional.linear), dev, reps=100) / LAYERS
+    print(f"dense shapes {shapes}: F.linear (cuBLAS) {cublas:.4f} ms a layer\n")
+    print("| dense block_n | block_k | warps | ms a layer | x cuBLAS | max rel. diff |\n|---|---|---|---|---|---|")
+    ref = [torch.nn.functional.linear(xs[w.shape[1]], w).float() for w in ws[0]]
+    gemv.DENSE, timed = True, []
+    for bn, bk, w in itertools.product((4, 8, 16), (512, 1024), (2, 4)):
+        gemv.TILES["dense"] = dict(block_n=bn, block_k=bk, num_warps=w)
+        try:
+            outs = [gemv.linear(xs[wt.shape[1]], wt).float() for wt in ws[0]]
+            ms = graphed_ms(lambda: step(gemv.linear), dev, reps=100) / LAYERS
+        except Exception as e:  # a tile that does not compile or fit is reported, not fatal
+            print(f"| {bn} | {bk} | {w} | {type(e).__name__} | | |")
+            continue
+        diff = max(((o - r).abs().max() / r.abs().max()).item() for o, r in zip(outs, ref))
+        print(f"| {bn} | {bk} | {w} | {ms:.4f} | {ms / cublas:.2f} | {diff:.1e} |", flush=True)
+        timed.append((ms, dict(gemv.TILES["dense"])))
+    ms, best = min(timed, key=lambda t: t[0])
+    gemv.TILES["dense"], gemv.DENSE = best, ms < cublas
+    print(f"\nbest dense: {best}, {ms:.4f} ms a layer against cuBLAS {cublas:.4f}: DENSE = {gemv.DENSE}\n")
     return best
 
 

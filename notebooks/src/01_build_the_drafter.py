@@ -31,7 +31,8 @@ import torch
 from IPython.display import HTML
 
 from dflash_lab import presets, viz
-from dflash_lab.assets import default_device, heldout_prompts, load_default_pair
+from dflash_lab.assets import (default_device, drafter_path, heldout_prompts, is_shipped_pair, load_default_pair,
+                               target_path)
 from dflash_lab.checkpoint import CheckpointError, load_drafter, save_drafter
 from dflash_lab.measure.repetition import setting_line
 from dflash_lab.config import DFlashDrafterConfig, config_key_table, rope_resolution_table
@@ -466,8 +467,9 @@ for causal, window, label in ((cfg.is_causal, cfg.window, "this drafter: full at
 # %% [markdown]
 # ### The same block with the trained pair: draft → verify → accept
 #
-# The shipped pair (the tiny Laguna code target and its trained DFlash drafter) generates 32
-# tokens after a held-out Python prompt, in blocks of 8. Move the step slider (or press ▶):
+# The pair the lab loads (the shipped one, the tiny Laguna code target and its trained DFlash drafter,
+# unless `$DFLASH_LAB_TARGET` / `$DFLASH_LAB_DRAFTER` name yours; the cell prints which) generates
+# 32 tokens after a held-out Python prompt, in blocks of 8. Move the step slider (or press ▶):
 # each step shows the block the drafter read, its guess at every position, the target's
 # choice from its one [verification](GLOSSARY.md#verification) forward, which guesses were
 # accepted, the first rejection, the [correction](GLOSSARY.md#correction-token) or
@@ -479,10 +481,12 @@ for causal, window, label in ((cfg.is_causal, cfg.window, "this drafter: full at
 
 # %%
 # NBVAL_IGNORE_OUTPUT
+PAIR = "the shipped pair" if is_shipped_pair() else f"your pair ({target_path().name} + {drafter_path().name})"
+print("pair:", PAIR)
 target_t, drafter_t, tokenizer = load_default_pair(device=device)
 prompt_ids = tokenizer(heldout_prompts()[0]["text"])["input_ids"][-64:]
 run = speculative_generate(target_t, drafter_t, prompt_ids, max_new_tokens=32, block_size=8)
-step_through(run, tokenizer, drafter=drafter_t, title="The shipped pair, block 8, greedy")
+step_through(run, tokenizer, drafter=drafter_t, title=f"{PAIR[0].upper()}{PAIR[1:]}, block 8, greedy")
 
 # %%
 shown = next((i for i, st in enumerate(run.steps) if 0 < st.num_accepted < len(st.draft_ids)), 1)  # the slider opens here
@@ -518,7 +522,7 @@ print(f"- vLLM refuses {len(cases)} kinds of broken config; a drafter pairs with
       "layer ids, mask token and widths fit.")
 print(f"- It registers as {drafter.attention_layer_names()[0]} ... after the target's {target_config.num_hidden_layers} "
       "layers; the lab's config.json is read by vLLM 0.33 unchanged.")
-print(f"- One step of the trained pair (step {shown}): {len(first.draft_ids)} drafted in one drafter forward, "
+print(f"- One step of {PAIR} (step {shown}): {len(first.draft_ids)} drafted in one drafter forward, "
       f"{first.num_accepted} accepted by one target forward; over the run (one prompt, 32 new tokens, block 8), "
       f"τ {run.stats.mean_acceptance_length:.2f}, {st.num_generated_tokens / st.num_target_forwards:.2f} tokens "
       "per target forward.")

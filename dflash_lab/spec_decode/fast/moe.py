@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-from . import triton_ops
+from . import gemv, triton_ops
 
 try:  # Triton is a GPU-side extra
     import triton
@@ -222,62 +222,6 @@ def _block_gemm(a, a_index, w, out, out_index, row_pair, block_expert, used, sca
                              num_stages=TILES["num_stages"])
 
 
-if triton is not None:
-
-    @triton.jit
-    def _pair_gemv_kernel(a_ptr, w_ptr, out_ptr, expert_ptr, scale_ptr, N_OUT, K, A_DIV, stride_a, stride_we,
-                          stride_wn, stride_out, HAS_SCALE: tl.constexpr, SILU_MUL: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """One (token, expert) pair, one tile of output columns: out[p] = a[p // A_DIV] @ w[e]^T (* scale[p]).
-        No 16-row block around a single row: every program streams its BLOCK_N weight rows with plain loads and
-        sums products in float32. SILU_MUL: w holds [gate | up] (2 * N_OUT rows) and the program writes
-        silu(gate) * up, each rounded to the output dtype as the block path's two steps round them."""
-        p = tl.program_id(0)
-        e = tl.load(expert_ptr + p).to(tl.int64)
-        a_row = a_ptr + (p // A_DIV).to(tl.int64) * stride_a
-        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        cmask = cols < N_OUT
-        ks = tl.arange(0, BLOCK_K)
-        w_rows = w_ptr + e * stride_we + cols[:, None].to(tl.int64) * stride_wn
-        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            kmask = (k0 + ks) < K
-            a = tl.load(a_row + k0 + ks, mask=kmask, other=0.0).to(tl.float32)[None, :]
-            m = cmask[:, None] & kmask[None, :]
-            acc += tl.load(w_rows + k0 + ks[None, :], mask=m, other=0.0).to(tl.float32) * a
-            if SILU_MUL:
-                acc_up += tl.load(w_rows + N_OUT * stride_wn + k0 + ks[None, :], mask=m, other=0.0).to(tl.float32) * a
-        dt = out_ptr.dtype.element_ty
-        y = tl.sum(acc, axis=1)
-        if SILU_MUL:
-            g = y.to(dt).to(tl.float32)
-            y = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32) * tl.sum(acc_up, axis=1).to(dt).to(tl.float32)
-        if HAS_SCALE:
-            y = y * tl.load(scale_ptr + p).to(tl.float32)
-        tl.store(out_ptr + p.to(tl.int64) * stride_out + cols, y.to(dt), mask=cmask)
-
-
-# The one-token kernel's tiles, one per projection (gate/up reduces over the hidden size, down over the expert
-# width): output columns per program, reduced elements per iteration, warps. ``scripts/moe_tiles.py --gemv``
-# times the choices at Laguna-XS.2's shape beside the block GEMM.
-GEMV_TILES = {"gate_up": {"block_n": 8, "block_k": 512, "num_warps": 2},
-              "down": {"block_n": 8, "block_k": 512, "num_warps": 2}}
-
-
-def _pair_gemv(a, w, out, expert, scale, a_div: int, silu_mul: bool = False, tile: str = "down") -> None:
-    """out (P, n) = each pair's row of a (row p // a_div) times its expert's w (E, N_w, K); n = N_w / 2 with
-    silu_mul (w's rows [gate | up]), else N_w."""
-    n_out, K = out.shape[1], w.shape[2]
-    assert a.stride(-1) == 1 and w.stride(-1) == 1 and out.stride(-1) == 1 and a.shape[-1] == K
-    assert w.shape[1] == (2 * n_out if silu_mul else n_out)
-    t = GEMV_TILES[tile]
-    grid = (expert.numel(), triton.cdiv(n_out, t["block_n"]))
-    _pair_gemv_kernel[grid](a, w, out, expert, scale if scale is not None else a, n_out, K, a_div, a.stride(0),
-                            w.stride(0), w.stride(1), out.stride(0), HAS_SCALE=scale is not None, SILU_MUL=silu_mul,
-                            BLOCK_N=t["block_n"], BLOCK_K=t["block_k"], num_warps=t["num_warps"])
-
-
 def _one_token_experts(experts, x: torch.Tensor, selected: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """The decode step's routed experts: one token, k distinct experts, each read once by a GEMV kernel (the
     16-row block of the batched path would carry one row). -> (k, H): each expert's weighted output."""
@@ -286,10 +230,10 @@ def _one_token_experts(experts, x: torch.Tensor, selected: torch.Tensor, weights
     sel = selected.reshape(-1).contiguous()
     silu = triton_ops.is_silu(experts.act_fn)
     h = torch.empty(k, w_gu.shape[1] // 2 if silu else w_gu.shape[1], device=x.device, dtype=x.dtype)
-    _pair_gemv(x, w_gu, h, sel, None, k, silu, tile="gate_up")
+    gemv.pair_gemv(x, w_gu, h, sel, None, k, silu, tile="gate_up")
     act = h if silu else triton_ops.act_mul(experts.act_fn, h)
     out = torch.empty(k, w_down.shape[1], device=x.device, dtype=x.dtype)
-    _pair_gemv(act, w_down, out, sel, weights.reshape(-1).contiguous(), 1)
+    gemv.pair_gemv(act, w_down, out, sel, weights.reshape(-1).contiguous(), 1)
     return out
 
 
@@ -339,11 +283,9 @@ def fused_route(logits: torch.Tensor, bias: torch.Tensor, top_k: int, dtype: tor
 
 
 def kernel_runs(x: torch.Tensor) -> bool:
-    """Whether the Triton kernel serves ``x``: bf16/fp16 on CUDA (float32 would round through TF32 there), any
-    dtype in Triton's CPU interpreter (exact float32 products there)."""
-    if triton is None or not triton_ops.enabled(x):
-        return False
-    return x.dtype in (torch.bfloat16, torch.float16) if x.is_cuda else True
+    """Whether the Triton kernels serve ``x``: bf16/fp16 on CUDA (float32 would round through TF32 there), any
+    dtype in Triton's CPU interpreter (exact float32 products there); ``gemv.runs``' rule."""
+    return gemv.runs(x)
 
 
 def gathered_experts(experts, x: torch.Tensor, selected: torch.Tensor, weights: torch.Tensor, *,

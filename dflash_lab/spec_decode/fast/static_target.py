@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from ...layers import additive_mask, gqa_attention, grouped_mask
-from . import attention, residual, triton_ops
+from . import attention, gemv, residual, triton_ops
 from ..tree import DraftTree, tree_visible
 from .moe import fused_route, gathered_experts, kernel_runs, route_runs
 
@@ -207,7 +207,7 @@ class StaticTarget:
                    fused=None, rope_positions=None) -> torch.Tensor:
         a = lay.attn
         B, Q, _ = x.shape
-        qkvg = F.linear(x, lay.w_in, lay.b_in)
+        qkvg = gemv.linear(x, lay.w_in, lay.b_in)
         heads, nkv = lay.split[0] // a.head_dim, lay.split[1] // a.head_dim
         g = qkvg[..., sum(lay.split[:3]):]
         cache_k, cache_v = self.cache[i]
@@ -223,16 +223,16 @@ class StaticTarget:
             self.cache[i][1][:, :, :Q].index_copy_(0, rows, cache_v)
         if fused is not None:  # (query positions, tree start, ancestors): one kernel, gate included
             qpos, start, ancestors = fused
-            return a.o_proj(attention.gated_attention(q, cache_k, cache_v, g, qpos, a.scaling, window=lay.window,
-                                                      per_head=a.gate_per_head, tree_start=start,
-                                                      ancestors=ancestors))
+            return gemv.linear(attention.gated_attention(q, cache_k, cache_v, g, qpos, a.scaling, window=lay.window,
+                                                         per_head=a.gate_per_head, tree_start=start,
+                                                         ancestors=ancestors), a.o_proj.weight, a.o_proj.bias)
         out = gqa_attention(q, cache_k, cache_v, bias, a.scaling)  # (B, Q, H*hd)
         gate = F.softplus(g.float()).to(out.dtype)
         if a.gate_per_head:
             out = (out.view(B, Q, -1, a.head_dim) * gate.unsqueeze(-1)).view(B, Q, -1)
         else:
             out = out * gate
-        return a.o_proj(out)
+        return gemv.linear(out, a.o_proj.weight, a.o_proj.bias)
 
     def _mlp_add_norm(self, lay: _Layer, x: torch.Tensor, h: torch.Tensor, norm) -> tuple[torch.Tensor, torch.Tensor]:
         """The MLP of the normed x added to the residual h: (h', norm(h')), the MLP's tail in one kernel
@@ -240,13 +240,13 @@ class StaticTarget:
         B, Q, H = x.shape
         x = x.reshape(B * Q, H)
         if not lay.sparse:
-            out = F.linear(triton_ops.act_mul(lay.act, F.linear(x, lay.w_gu)), lay.w_down)
+            out = gemv.linear(triton_ops.act_mul(lay.act, gemv.linear(x, lay.w_gu)), lay.w_down)
             return residual.add_norm(h, out.view(B, Q, H), norm)
         mlp, router = lay.mlp, lay.mlp.gate
         n_exp = router.weight.shape[0]
-        g = F.linear(x, lay.w_gu)  # router | shared gate | up
+        g = gemv.linear(x, lay.w_gu)  # router | shared gate | up
         logits = g[:, :n_exp]
-        shared = F.linear(triton_ops.act_mul(lay.act, g[:, n_exp:]), lay.w_down)
+        shared = gemv.linear(triton_ops.act_mul(lay.act, g[:, n_exp:]), lay.w_down)
         if route_runs(logits, router):  # one kernel: float32 inside
             weights, selected = fused_route(logits, router.e_score_correction_bias, router.top_k, x.dtype)
         else:

@@ -1,0 +1,114 @@
+"""One row times a weight matrix (a GEMV) as one Triton kernel: the decode step's products of a single token.
+
+A decode step of one token multiplies one row by each weight matrix it reads: the routed experts' chosen
+(token, expert) pairs, and at batch 1 every projection. The bytes of the weights are the whole cost, so
+the kernel is laid out for reading them: program (pair, column tile) streams its BLOCK_N weight rows in
+BLOCK_K chunks with plain vector loads and sums the products in float32, and there are enough programs to
+keep every SM's loads in flight (a 16-row ``tl.dot`` block around one row, the routed experts' batched
+path, reads the same bytes with fewer programs and wastes 15 of its 16 rows).
+
+    pair_gemv(a, w, out, expert, scale, a_div)   out[p] = a[p // a_div] @ w[expert[p]]^T (* scale[p]);
+                                                 with silu_mul, w's rows are [gate | up] and the program
+                                                 writes silu(gate) * up (the routed experts' gate/up)
+    linear(x, w, b)                              F.linear for one row, through the same kernel (one "expert")
+                                                 where ``runs``; else F.linear
+
+Numerics: products and sums in float32, one rounding to the output dtype at the end (as a GEMM's epilogue);
+the order of the sum differs from cuBLAS', so float32 results agree to rounding, not bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from . import triton_ops
+
+try:  # Triton is a GPU-side extra
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the machine
+    triton = None
+
+if triton is not None:
+
+    @triton.jit
+    def _pair_gemv_kernel(a_ptr, w_ptr, out_ptr, expert_ptr, scale_ptr, N_OUT, K, A_DIV, stride_a, stride_we,
+                          stride_wn, stride_out, HAS_SCALE: tl.constexpr, SILU_MUL: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """One (token, expert) pair, one tile of output columns: out[p] = a[p // A_DIV] @ w[e]^T (* scale[p]).
+        No 16-row block around a single row: every program streams its BLOCK_N weight rows with plain loads and
+        sums products in float32. SILU_MUL: w holds [gate | up] (2 * N_OUT rows) and the program writes
+        silu(gate) * up, each rounded to the output dtype as the block path's two steps round them."""
+        p = tl.program_id(0)
+        e = tl.load(expert_ptr + p).to(tl.int64)
+        a_row = a_ptr + (p // A_DIV).to(tl.int64) * stride_a
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        cmask = cols < N_OUT
+        ks = tl.arange(0, BLOCK_K)
+        w_rows = w_ptr + e * stride_we + cols[:, None].to(tl.int64) * stride_wn
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kmask = (k0 + ks) < K
+            a = tl.load(a_row + k0 + ks, mask=kmask, other=0.0).to(tl.float32)[None, :]
+            m = cmask[:, None] & kmask[None, :]
+            acc += tl.load(w_rows + k0 + ks[None, :], mask=m, other=0.0).to(tl.float32) * a
+            if SILU_MUL:
+                acc_up += tl.load(w_rows + N_OUT * stride_wn + k0 + ks[None, :], mask=m, other=0.0).to(tl.float32) * a
+        dt = out_ptr.dtype.element_ty
+        y = tl.sum(acc, axis=1)
+        if SILU_MUL:
+            g = y.to(dt).to(tl.float32)
+            y = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32) * tl.sum(acc_up, axis=1).to(dt).to(tl.float32)
+        if HAS_SCALE:
+            y = y * tl.load(scale_ptr + p).to(tl.float32)
+        tl.store(out_ptr + p.to(tl.int64) * stride_out + cols, y.to(dt), mask=cmask)
+
+
+# The tiles, one per use (the routed experts' gate/up reduces over the hidden size, their down over the expert
+# width; "dense" serves every ``linear``): output columns per program, reduced elements per iteration, warps.
+# ``scripts/moe_tiles.py --gemv`` times the choices at Laguna-XS.2's shape.
+TILES = {"gate_up": {"block_n": 8, "block_k": 512, "num_warps": 2},
+         "down": {"block_n": 8, "block_k": 512, "num_warps": 2},
+         "dense": {"block_n": 8, "block_k": 512, "num_warps": 2}}
+# Whether ``linear`` takes one-row products from cuBLAS (False) or this kernel (True): the sweep above says
+# which is faster on a card.
+DENSE = True
+
+
+def pair_gemv(a, w, out, expert, scale, a_div: int, silu_mul: bool = False, tile: str = "down") -> None:
+    """out (P, n) = each pair's row of a (row p // a_div) times its expert's w (E, N_w, K); n = N_w / 2 with
+    silu_mul (w's rows [gate | up]), else N_w."""
+    n_out, K = out.shape[1], w.shape[2]
+    assert a.stride(-1) == 1 and w.stride(-1) == 1 and out.stride(-1) == 1 and a.shape[-1] == K
+    assert w.shape[1] == (2 * n_out if silu_mul else n_out)
+    t = TILES[tile]
+    grid = (expert.numel(), triton.cdiv(n_out, t["block_n"]))
+    _pair_gemv_kernel[grid](a, w, out, expert, scale if scale is not None else a, n_out, K, a_div, a.stride(0),
+                            w.stride(0), w.stride(1), out.stride(0), HAS_SCALE=scale is not None, SILU_MUL=silu_mul,
+                            BLOCK_N=t["block_n"], BLOCK_K=t["block_k"], num_warps=t["num_warps"])
+
+
+def runs(x: torch.Tensor) -> bool:
+    """Whether the kernel serves x: bf16/fp16 on CUDA (float32 there stays cuBLAS'), any dtype in Triton's CPU
+    interpreter."""
+    if triton is None or not triton_ops.enabled(x):
+        return False
+    return x.dtype in (torch.bfloat16, torch.float16) if x.is_cuda else True
+
+
+_EXPERT0: dict = {}
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, w, b); a single row (x.numel() == K) through ``pair_gemv`` where ``runs`` and ``DENSE``."""
+    K = w.shape[-1]
+    if not (DENSE and b is None and x.numel() == K and w.stride(-1) == 1 and runs(x)):
+        return F.linear(x, w, b)
+    key = str(x.device)
+    if key not in _EXPERT0:  # made before a graph is captured (the first call is eager), read ever after
+        _EXPERT0[key] = torch.zeros(1, dtype=torch.long, device=x.device)
+    out = torch.empty(1, w.shape[0], device=x.device, dtype=x.dtype)
+    pair_gemv(x.reshape(1, K), w.unsqueeze(0), out, _EXPERT0[key], None, 1, tile="dense")
+    return out.view(*x.shape[:-1], w.shape[0])
