@@ -1,0 +1,70 @@
+"""The one-row kernel (``spec_decode.fast.gemv``): ``linear`` and ``pair_gemv`` against torch.
+
+In Triton's CPU interpreter (float32, exact products) the kernel's results must equal F.linear's to
+rounding, on shapes that are not multiples of any tile; ``linear`` must fall back to F.linear where the
+kernel does not serve (several rows, a bias, the switch off), and the static path must still generate
+what transformers generates (``test_kernel_path`` runs both shipped drafters through it).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflash_lab.spec_decode.fast import gemv
+
+LINEAR_SCRIPT = r"""
+import json, torch
+import torch.nn.functional as F
+from dflash_lab.spec_decode.fast import gemv
+g = torch.Generator().manual_seed(0)
+out = {}
+for n, k in [(1, 5), (37, 300), (130, 1100), (8, 2049)]:
+    w, x = torch.randn(n, k, generator=g), torch.randn(1, 1, k, generator=g)
+    y = gemv.linear(x, w)
+    ref = F.linear(x, w)
+    out[f"{n}x{k}"] = [list(y.shape) == list(ref.shape), ((y - ref).abs().max() / ref.abs().max()).item()]
+    for name, tile in gemv.TILES.items():  # every tile in use, not only the default's
+        saved = dict(gemv.TILES["dense"])
+        gemv.TILES["dense"] = tile
+        out[f"{n}x{k} {name}"] = [True, ((gemv.linear(x, w) - ref).abs().max() / ref.abs().max()).item()]
+        gemv.TILES["dense"] = saved
+x2, w2, b = torch.randn(3, 40, generator=g), torch.randn(24, 40, generator=g), torch.randn(24, generator=g)
+out["rows"] = [torch.equal(gemv.linear(x2, w2), F.linear(x2, w2)), 0.0]
+out["bias"] = [torch.equal(gemv.linear(x2[:1], w2, b), F.linear(x2[:1], w2, b)), 0.0]
+calls = []
+real = gemv.pair_gemv
+gemv.pair_gemv = lambda *a, **kw: calls.append(1) or real(*a, **kw)
+gemv.linear(x2[:1], w2)
+gemv.DENSE = False
+gemv.linear(x2[:1], w2)
+out["kernel calls with DENSE on, then off"] = [calls == [1], 0.0]
+print(json.dumps(out))
+"""
+
+
+def test_linear_in_the_triton_interpreter(interpreted):
+    rows = interpreted(LINEAR_SCRIPT)
+    for name, (ok, err) in rows.items():
+        assert ok and err < 1e-5, (name, ok, err)
+    assert len(rows) == 4 * (1 + len(gemv.TILES)) + 3
+
+
+def test_linear_is_f_linear_off_the_kernel():
+    """On this CPU without the interpreter the kernel does not run: linear is F.linear, bit for bit."""
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(1, 64, generator=g), torch.randn(48, 64, generator=g)
+    assert not gemv.runs(x)
+    assert torch.equal(gemv.linear(x, w), torch.nn.functional.linear(x, w))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_linear_compiled_in_bfloat16():
+    dev = torch.device("cuda")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for n, k in [(10304, 2048), (2048, 8192), (1280, 2048), (2048, 512), (100, 300)]:
+        w = torch.randn(n, k, device=dev, dtype=torch.bfloat16, generator=g) * .02
+        x = torch.randn(1, k, device=dev, dtype=torch.bfloat16, generator=g)
+        ref = torch.nn.functional.linear(x.float(), w.float())
+        assert ((gemv.linear(x, w).float() - ref).abs().max() / ref.abs().max()).item() < 1e-2, (n, k)
