@@ -12,6 +12,13 @@ OUT=${OUT:-runs/xs2-chapters}
 LAYERS=${LAYERS:-8}
 PAIR=${PAIR:-/tmp/xs2-pair}
 PYTHON=${PYTHON:-python3}
+# The chapters import the lab's own dependencies (pyproject.toml); a GPU machine without them fails in a widget
+# cell minutes in (plotly's FigureWidget needs anywidget), so ask first. The kernel runs in notebooks/: the
+# package is found through an absolute PYTHONPATH.
+"$PYTHON" -c "import nbclient, nbformat, ipykernel, plotly, anywidget, ipywidgets, tqdm" \
+  || { echo "chapters_on_xs2_pair.sh: install the lab's dependencies first (pip install -e . or wheels of the" \
+       "above)" >&2; exit 1; }
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 mkdir -p "$OUT"
 start=$(date +%s)
 DEVICE=${DEVICE:-cuda}

@@ -411,6 +411,43 @@ def test_a_per_batch_schedule_drafts_the_k_vllm_reads_for_the_running_batch(smal
               max_new_tokens=4, schedule=SpeculationSchedule.from_config([[1, 3, 3]], 3, 7))
 
 
+
+def test_a_k0_step_skips_the_drafters_query_pass_and_keeps_its_context_kv_as_vllm_does(small_pair):
+    """A DFlash step the schedule gives K = 0 is vLLM 0.33's (v1/worker/gpu/spec_decode/dflash/speculator.py
+    546-553: "store the context K/V to keep the drafter in sync, and skip the query pass"): no draft forward,
+    the verified token's context K/V appended all the same, so the next K > 0 step drafts from a full context
+    (outputs stay target.generate's)."""
+    from dflash_lab.spec_decode.fast.serving import serve
+    from dflash_lab.spec_decode.schedule import SpeculationSchedule
+
+    target, drafter = small_pair
+    schedule = SpeculationSchedule.from_config([[1, 1, 7], [2, 3, 0]], max_batch=3, num_speculative_tokens=7)
+    dec = FastDecoder(target, drafter, batch=3, block_size=8, capacity=64, cuda_graphs=False,
+                      widths=[k + 1 for k in schedule.ks])
+    calls = {"draft": 0, "append_width_1": 0, "append": 0}
+    draft, append = dec.dft.draft, dec.dft.append
+
+    def counted_draft(*a, **kw):
+        calls["draft"] += 1
+        return draft(*a, **kw)
+
+    def counted_append(aux, positions, *a, **kw):
+        calls["append"] += 1
+        calls["append_width_1"] += positions.shape[-1] == 1
+        return append(aux, positions, *a, **kw)
+
+    dec.dft.draft, dec.dft.append = counted_draft, counted_append
+    prompts = [torch.tensor(p * 3) for p in PROMPTS]
+    max_new = [16, 6, 10]  # two finish early: the last one runs alone, at K = 7
+    run = serve(dec, prompts, max_new_tokens=max_new, schedule=schedule)
+    for p, n, req in zip(prompts, max_new, run.requests):
+        expected = target.generate(p[None], max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+        assert torch.equal(req.result.output_ids, expected)
+    assert run.widths.get(1, 0) > 0 and run.widths.get(8, 0) > 0, run.widths
+    assert calls["append_width_1"] == run.widths[1]  # every K = 0 step kept the drafter's context in sync
+    assert calls["draft"] == run.widths[8]  # and only the K = 7 steps ran the drafter's query pass
+
+
 def test_serving_records_are_the_timing_records_with_vllm_bench_serves_latencies(small_pair):
     """measure_serving: one record per (method, block, concurrency, batching), outputs equal target-only's,
     static batches run as long as their slowest request, speed-ups taken at the same concurrency and batching."""

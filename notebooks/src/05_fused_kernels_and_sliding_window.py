@@ -408,12 +408,15 @@ viz.step_time_figure(phases, taus=taus)
 # Random weights route to fewer distinct experts than a trained router would (the record says how
 # many), so the 16-token step is, if anything, cheaper here than on Laguna itself.
 #
-# Since that record, each layer's attention on the static path is one Triton kernel
-# (`spec_decode.fast.attention`): which cache slots a query sees is computed from its position
-# (causal, the sliding window, a draft tree's ancestors) instead of read from a mask over every slot,
-# only those slots are read, and Laguna's softplus gate is applied on the way out. vLLM gets the same
-# from its attention backends (FlashAttention with a window; the gate is Laguna's own). Its cost
-# against the masks + SDPA route is printed below from one H100 run (`benchmarks/xs2_steps_h100.json`).
+# On the static path each layer's attention is one Triton kernel (`spec_decode.fast.attention`):
+# which cache slots a query sees is computed from its position (causal, the sliding window, a draft
+# tree's ancestors) instead of read from a mask over every slot, only those slots are read, and
+# Laguna's softplus gate is applied on the way out. vLLM gets the same from its attention backends
+# (FlashAttention with a window; the gate is Laguna's own). A decode token's products are one-row
+# GEMVs (`spec_decode.fast.gemv`): the routed experts read only their 8 chosen experts, one program per
+# (expert, column tile), and the dense projections beat cuBLAS at one row. The record prints what
+# the attention kernel saves against the masks + SDPA route; an H100 run of older code
+# (`benchmarks/xs2_steps_h100.json`) is printed beside it.
 
 # %%
 import statistics  # noqa: E402
@@ -422,18 +425,19 @@ from dflash_lab.measure.speed_model import XS2_STEPS, lab_pair_table, poolside_t
 from dflash_lab.viz.speed_model import predicted_vs_published_figure  # noqa: E402
 
 xs2 = json.loads(XS2_STEPS.read_text())
-print(f"measured on {xs2.get('device', '?')} (committed run; the shapes are Laguna-XS.2's, not the pair loaded here)")
+at = f" at commit {xs2['code']}" if xs2.get("code") else ""
+print(f"measured on {xs2.get('device', '?')}{at} (committed run; the shapes are Laguna-XS.2's, not the pair loaded here)")
 for kind in ("target", "drafter"):
     for t in xs2[kind]:
         print(f"{kind:>7}, {t['block']:>2} tokens: {t['ms']:6.2f} ms measured, floor {t['floor_ms']:.2f} ms at 4.8 TB/s "
               f"({t['over_floor']:.1f}x the floor at the {xs2['copy_bandwidth_Bps'] / 1e12:.2f} TB/s copy bandwidth)")
-attention_run = XS2_STEPS.with_name("xs2_steps_h100.json")  # the static path's attention kernel against masks + SDPA
-if attention_run.exists():
-    a = json.loads(attention_run.read_text())
-    fused = {t["block"]: t["ms"] for t in a["target"]}
-    for o in a.get("target_sdpa_attention", []):
-        print(f"attention kernel ({a['device']}, one run): target {o['block']:>2} tokens {fused[o['block']]:.2f} ms, "
-              f"with masks + SDPA {o['ms']:.2f} ms")
+fused = {t["block"]: t["ms"] for t in xs2["target"]}
+for o in xs2.get("target_sdpa_attention", []):  # the static path's attention kernel against masks + SDPA
+    print(f"attention kernel ({xs2['device']}, same run): target {o['block']:>2} tokens {fused[o['block']]:.2f} ms, "
+          f"with masks + SDPA {o['ms']:.2f} ms")
+other_run = XS2_STEPS.with_name("xs2_steps_h100.json")  # older code on another card
+if other_run.exists():
+    a = json.loads(other_run.read_text())
     at = f" at commit {a['code']}" if a.get("code") else ""
     print(f"the same steps on {a['device']}{at}, every static-path kernel on: "
           + ", ".join(f"{t['block']} token(s) {t['ms']:.2f} ms" for t in a["target"])

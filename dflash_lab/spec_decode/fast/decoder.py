@@ -148,7 +148,8 @@ class FastDecoder:
 
     # --- the four phases of a step (device only) --------------------------------
     # A step of ``width`` W <= B verifies [x_t, d_1 .. d_{W-1}]: the block a per-batch schedule picks
-    # (W = K + 1; W = 1 verifies x_t alone and still appends its context K/V).
+    # (W = K + 1; W = 1 verifies x_t alone, runs no draft forward and still appends its context K/V, as
+    # vLLM 0.33's DFlash speculator does at K = 0: v1/worker/gpu/spec_decode/dflash/speculator.py:546-553).
     def _draft(self, width: int | None = None) -> None:
         width = width or self.B
         self.block_pos.copy_(self.pos[:, None] + self.offsets)
