@@ -143,6 +143,54 @@ def test_the_static_path_with_laguna_xs2s_layer_pattern_matches_transformers():
     torch.testing.assert_close(aux, ref.aux_hidden[:, 20:], rtol=1e-5, atol=1e-5)
 
 
+ONE_TOKEN_SCRIPT = r"""
+import json
+import torch
+from transformers import DynamicCache, LagunaForCausalLM
+from dflash_lab.measure.launches import count_launches
+from dflash_lab.presets import laguna_xs_2_config
+from dflash_lab.spec_decode.fast.static_target import StaticTarget
+from dflash_lab.target import target_forward
+
+cfg = laguna_xs_2_config(num_hidden_layers=5, vocab_size=256, hidden_size=64, intermediate_size=96, head_dim=16,
+                         num_attention_heads=4, num_key_value_heads=2, num_experts=8, num_experts_per_tok=3,
+                         moe_intermediate_size=16, shared_expert_intermediate_size=24, sliding_window=8,
+                         num_attention_heads_per_layer=[4, 8, 8, 8, 4])
+torch.manual_seed(0)
+model = LagunaForCausalLM(cfg).eval()
+ids = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(0))
+out = {}
+with torch.no_grad():
+    ref = target_forward(model, ids, [1, 4], past_key_values=DynamicCache())
+    st = StaticTarget(model, batch=1, capacity=32, layer_ids=[1, 4])
+    pos = torch.arange(24)[None]
+    st.forward(ids[:, :20], pos[:, :20])
+    errs = []
+    for t in range(20, 24):  # decode steps of one token: the one-token path (shared expert in the routed launch)
+        with count_launches() as c:
+            logits, aux = st.forward(ids[:, t:t + 1], pos[:, t:t + 1])
+        errs.append(max((logits - ref.logits[:, t:t + 1]).abs().max().item(),
+                        (aux - ref.aux_hidden[:, t:t + 1]).abs().max().item()))
+out["max_err"] = max(errs)
+out["launches"] = {k: v for k, v in c.by_name.items() if k.startswith("triton.")}
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(triton is None, reason="needs Triton")
+def test_one_token_of_the_static_path_in_the_interpreter_matches_transformers(interpreted):
+    """Decode tokens one at a time through the static path with every kernel on, Laguna-XS.2's pattern (a dense
+    first layer, then sparse layers with a shared expert wider than a routed one): transformers' logits and
+    aux states to float32 rounding. Each sparse layer's shared expert rides in its routed experts' down GEMV:
+    the only silu_mul launch left is the dense layer's MLP, and a sparse layer's products are 5 GEMV launches
+    (qkv+gate, o_proj, router | shared gate | up, routed gate/up, routed + shared down)."""
+    out = interpreted(ONE_TOKEN_SCRIPT)
+    assert out["max_err"] < 1e-4, out
+    n = out["launches"]
+    assert n.get("triton._silu_mul_kernel", 0) == 1, n
+    assert n["triton._pair_gemv_kernel"] == 4 * 5 + 4, n  # 4 sparse layers x 5, the dense layer's 4
+
+
 ROUTER_SCRIPT = r"""
 import json
 import torch
@@ -334,3 +382,26 @@ def test_gpu_the_compiled_kernels_match_the_reference_in_bfloat16():
         out = gathered_experts(ex, x, selected.to(dev), weights.to(dev, torch.bfloat16), kernel=True).float()
         ref = gathered_experts(ex, x, selected.to(dev), weights.to(dev, torch.bfloat16), kernel=False).float()
         assert ((out - ref).abs().max() / ref.abs().max()).item() < 2e-2, (tokens, act)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_the_shared_expert_in_the_routed_launch_compiled_in_bfloat16():
+    """The one-token path's last row, the shared expert's down projection reading silu(gate) * up from its
+    gate/up row (XS.2's widths: hidden 2048, expert and shared width 512), against torch in bf16."""
+    from dflash_lab.spec_decode.fast.moe import one_token_experts
+
+    dev, g = torch.device("cuda"), torch.Generator(device="cuda").manual_seed(0)
+    bf = dict(device=dev, dtype=torch.bfloat16, generator=g)
+    ex = SimpleNamespace(gate_up_proj=torch.randn(32, 1024, 2048, **bf) * .02,
+                         down_proj=torch.randn(32, 2048, 512, **bf) * .02, act_fn=torch.nn.functional.silu)
+    x = torch.randn(1, 2048, device=dev, dtype=torch.bfloat16, generator=g)
+    gu = torch.randn(1, 256 + 1024, device=dev, dtype=torch.bfloat16, generator=g)  # router | shared gate | up
+    w_down = torch.randn(2048, 512, device=dev, dtype=torch.bfloat16, generator=g) * .02
+    selected = torch.randperm(32, generator=torch.Generator().manual_seed(1))[:8].view(1, 8).to(dev)
+    weights = torch.rand(1, 8, device=dev, generator=g).to(torch.bfloat16)
+    out = one_token_experts(ex, x, selected, weights, shared=(gu[0, 256:], w_down)).float()
+    routed = gathered_experts(ex, x, selected, weights, kernel=False, reduce=False)[0].float()
+    shared = torch.nn.functional.linear(torch.nn.functional.silu(gu[:, 256:768]) * gu[:, 768:], w_down).float()
+    for got, want in ((out[:8], routed), (out[8:], shared)):
+        assert ((got - want).abs().max() / want.abs().max()).item() < 2e-2

@@ -33,20 +33,10 @@ except ImportError:  # pragma: no cover - depends on the machine
 if triton is not None:
 
     @triton.jit
-    def _pair_gemv_kernel(a_ptr, w_ptr, out_ptr, expert_ptr, scale_ptr, N_OUT, K, A_DIV, stride_a, stride_we,
-                          stride_wn, stride_out, HAS_SCALE: tl.constexpr, SILU_MUL: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """One (token, expert) pair, one tile of output columns: out[p] = a[p // A_DIV] @ w[e]^T (* scale[p]).
-        No 16-row block around a single row: every program streams its BLOCK_N weight rows with plain loads and
-        sums products in float32. SILU_MUL: w holds [gate | up] (2 * N_OUT rows) and the program writes
-        silu(gate) * up, each rounded to the output dtype as the block path's two steps round them."""
-        p = tl.program_id(0)
-        e = tl.load(expert_ptr + p).to(tl.int64)
-        a_row = a_ptr + (p // A_DIV).to(tl.int64) * stride_a
-        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        cmask = cols < N_OUT
+    def _pair_row(a_row, w_rows, cols, cmask, N_OUT, K, stride_wn, SILU_MUL: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, dt: tl.constexpr):
+        """One row a (K,) times BLOCK_N weight rows (and, SILU_MUL, the up rows N_OUT further): float32 sums."""
         ks = tl.arange(0, BLOCK_K)
-        w_rows = w_ptr + e * stride_we + cols[:, None].to(tl.int64) * stride_wn
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -56,13 +46,52 @@ if triton is not None:
             acc += tl.load(w_rows + k0 + ks[None, :], mask=m, other=0.0).to(tl.float32) * a
             if SILU_MUL:
                 acc_up += tl.load(w_rows + N_OUT * stride_wn + k0 + ks[None, :], mask=m, other=0.0).to(tl.float32) * a
-        dt = out_ptr.dtype.element_ty
         y = tl.sum(acc, axis=1)
         if SILU_MUL:
             g = y.to(dt).to(tl.float32)
             y = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32) * tl.sum(acc_up, axis=1).to(dt).to(tl.float32)
-        if HAS_SCALE:
-            y = y * tl.load(scale_ptr + p).to(tl.float32)
+        return y
+
+    @triton.jit
+    def _silu_input_row(gu_row, w_rows, cmask, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, dt: tl.constexpr):
+        """silu(gate) * up of a [gate | up] row (2K), rounded as ``triton_ops.silu_mul`` rounds it, times BLOCK_N
+        weight rows: the shared expert's down projection reading its gate/up output directly."""
+        ks = tl.arange(0, BLOCK_K)
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kmask = (k0 + ks) < K
+            g = tl.load(gu_row + k0 + ks, mask=kmask, other=0.0).to(tl.float32)
+            u = tl.load(gu_row + K + k0 + ks, mask=kmask, other=0.0).to(tl.float32)
+            a = ((g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32) * u).to(dt).to(tl.float32)[None, :]
+            m = cmask[:, None] & kmask[None, :]
+            acc += tl.load(w_rows + k0 + ks[None, :], mask=m, other=0.0).to(tl.float32) * a
+        return tl.sum(acc, axis=1)
+
+    @triton.jit
+    def _pair_gemv_kernel(a_ptr, w_ptr, out_ptr, expert_ptr, scale_ptr, gu2_ptr, w2_ptr, P, N_OUT, K, K2, A_DIV,
+                          stride_a, stride_we, stride_wn, stride_w2n, stride_out, HAS_SCALE: tl.constexpr,
+                          SILU_MUL: tl.constexpr, EXTRA: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr):
+        """One (token, expert) pair p < P, one tile of output columns: out[p] = a[p // A_DIV] @ w[e]^T
+        (* scale[p]). No 16-row block around a single row: every program streams its BLOCK_N weight rows with
+        plain loads and sums products in float32. SILU_MUL: w holds [gate | up] (2 * N_OUT rows) and the
+        program writes silu(gate) * up, each rounded to the output dtype as the block path's two steps round
+        them. EXTRA: the programs of p = P compute one more row in the same launch, silu(gate) * up of the
+        [gate | up] row gu2 (2 * K2) times w2 (N_OUT, K2), unscaled (the shared expert beside the routed)."""
+        p = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        cmask = cols < N_OUT
+        dt = out_ptr.dtype.element_ty
+        if EXTRA and p == P:
+            y = _silu_input_row(gu2_ptr, w2_ptr + cols[:, None].to(tl.int64) * stride_w2n, cmask, K2, BLOCK_N,
+                                BLOCK_K, dt)
+        else:
+            e = tl.load(expert_ptr + p).to(tl.int64)
+            y = _pair_row(a_ptr + (p // A_DIV).to(tl.int64) * stride_a,
+                          w_ptr + e * stride_we + cols[:, None].to(tl.int64) * stride_wn, cols, cmask, N_OUT, K,
+                          stride_wn, SILU_MUL, BLOCK_N, BLOCK_K, dt)
+            if HAS_SCALE:
+                y = y * tl.load(scale_ptr + p).to(tl.float32)
         tl.store(out_ptr + p.to(tl.int64) * stride_out + cols, y.to(dt), mask=cmask)
 
 
@@ -79,16 +108,23 @@ TILES = {"gate_up": {"block_n": 8, "block_k": 512, "num_warps": 2},
 DENSE = True
 
 
-def pair_gemv(a, w, out, expert, scale, a_div: int, silu_mul: bool = False, tile: str = "down") -> None:
+def pair_gemv(a, w, out, expert, scale, a_div: int, silu_mul: bool = False, tile: str = "down",
+              extra: tuple | None = None) -> None:
     """out (P, n) = each pair's row of a (row p // a_div) times its expert's w (E, N_w, K); n = N_w / 2 with
-    silu_mul (w's rows [gate | up]), else N_w."""
-    n_out, K = out.shape[1], w.shape[2]
+    silu_mul (w's rows [gate | up]), else N_w. extra = (gate_up (2 K2,), w2 (n, K2)): out has P + 1 rows and
+    the last is silu(gate) * up times w2, computed in the same launch."""
+    P, n_out, K = expert.numel(), out.shape[1], w.shape[2]
     assert a.stride(-1) == 1 and w.stride(-1) == 1 and out.stride(-1) == 1 and a.shape[-1] == K
-    assert w.shape[1] == (2 * n_out if silu_mul else n_out)
+    assert w.shape[1] == (2 * n_out if silu_mul else n_out) and out.shape[0] == P + (extra is not None)
+    gu2, w2 = extra if extra is not None else (a, w[0])  # (unread without extra)
+    if extra is not None:
+        assert gu2.stride(-1) == 1 and w2.stride(-1) == 1 and w2.shape[0] == n_out
+        assert gu2.shape[-1] == 2 * w2.shape[1]
     t = TILES[tile]
-    grid = (expert.numel(), triton.cdiv(n_out, t["block_n"]))
-    _pair_gemv_kernel[grid](a, w, out, expert, scale if scale is not None else a, n_out, K, a_div, a.stride(0),
-                            w.stride(0), w.stride(1), out.stride(0), HAS_SCALE=scale is not None, SILU_MUL=silu_mul,
+    grid = (out.shape[0], triton.cdiv(n_out, t["block_n"]))
+    _pair_gemv_kernel[grid](a, w, out, expert, scale if scale is not None else a, gu2, w2, P, n_out, K, w2.shape[1],
+                            a_div, a.stride(0), w.stride(0), w.stride(1), w2.stride(0), out.stride(0),
+                            HAS_SCALE=scale is not None, SILU_MUL=silu_mul, EXTRA=extra is not None,
                             BLOCK_N=t["block_n"], BLOCK_K=t["block_k"], num_warps=t["num_warps"])
 
 

@@ -16,9 +16,10 @@ reads the weights of the experts that were chosen and no others: at Laguna-XS.2'
                 (gathered from the tokens for gate/up, from the padded rows for down).
                 A block of B tokens therefore reads each DISTINCT expert it touches
                 once (a few times more only when an expert holds more than BLOCK_M rows)
-    one token   the decode step's k pairs need neither layout nor blocks: a GEMV kernel per projection,
-                program (pair, column tile), streams each chosen expert's rows once; the gate/up
-                program writes silu(gate) * up itself
+    one token   the decode step's k pairs need neither layout nor blocks: a GEMV kernel per projection
+                (``gemv``), program (pair, column tile), streams each chosen expert's rows once; the
+                gate/up program writes silu(gate) * up itself, and the shared expert's down projection
+                runs in the routed down projection's launch (``one_token_experts(shared=...)``)
 
 On CUDA the GEMMs are a Triton kernel; elsewhere (and as the reference) the same
 blocks run as one batched matmul over the block experts' weights, exact in float32. The router
@@ -222,9 +223,14 @@ def _block_gemm(a, a_index, w, out, out_index, row_pair, block_expert, used, sca
                              num_stages=TILES["num_stages"])
 
 
-def _one_token_experts(experts, x: torch.Tensor, selected: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+def one_token_experts(experts, x: torch.Tensor, selected: torch.Tensor, weights: torch.Tensor,
+                      shared: tuple | None = None) -> torch.Tensor:
     """The decode step's routed experts: one token, k distinct experts, each read once by a GEMV kernel (the
-    16-row block of the batched path would carry one row). -> (k, H): each expert's weighted output."""
+    16-row block of the batched path would carry one row). -> (k, H): each expert's weighted output.
+
+    shared = (gate_up (2 I_s,), down (H, I_s)): the shared expert's down projection rides in the routed down
+    projection's launch, reading silu(gate) * up from its gate/up output; -> (k + 1, H), the last row the
+    shared expert's (unscaled)."""
     k = selected.shape[1]
     w_gu, w_down = experts.gate_up_proj, experts.down_proj
     sel = selected.reshape(-1).contiguous()
@@ -232,8 +238,8 @@ def _one_token_experts(experts, x: torch.Tensor, selected: torch.Tensor, weights
     h = torch.empty(k, w_gu.shape[1] // 2 if silu else w_gu.shape[1], device=x.device, dtype=x.dtype)
     gemv.pair_gemv(x, w_gu, h, sel, None, k, silu, tile="gate_up")
     act = h if silu else triton_ops.act_mul(experts.act_fn, h)
-    out = torch.empty(k, w_down.shape[1], device=x.device, dtype=x.dtype)
-    gemv.pair_gemv(act, w_down, out, sel, weights.reshape(-1).contiguous(), 1)
+    out = torch.empty(k + (shared is not None), w_down.shape[1], device=x.device, dtype=x.dtype)
+    gemv.pair_gemv(act, w_down, out, sel, weights.reshape(-1).contiguous(), 1, extra=shared)
     return out
 
 
@@ -303,7 +309,7 @@ def gathered_experts(experts, x: torch.Tensor, selected: torch.Tensor, weights: 
     x = x.contiguous()
     use_kernel = kernel_runs(x) if kernel is None else kernel
     if use_kernel and N == 1:  # the decode step: a GEMV per chosen expert, no layout
-        out = _one_token_experts(experts, x, selected, weights)
+        out = one_token_experts(experts, x, selected, weights)
     elif use_kernel:  # the layout in one kernel instead of align's ~20 small ones
         row_pair, block_expert, used, rows, token_of_row = align_rows(selected, w_gu.shape[0])
     else:
