@@ -225,6 +225,14 @@ for b in range(2):
     for j in range(3):
         rk[b, :, pos[b, j]], rv[b, :, pos[b, j]] = k[b, j], v[b, j]
 out.append([bool(torch.equal(ck, rk) and torch.equal(cv, rv)), 0.0, "write_kv"])
+rows = torch.tensor([3, 1])  # a prefill of two rows of a 4-row cache: rows 0 and 2 untouched
+ck, cv = torch.zeros(4, 2, 12, 16), torch.zeros(4, 2, 12, 16)
+write_kv(ck, cv, k, v, pos, rows=rows)
+rk, rv = torch.zeros_like(ck), torch.zeros_like(cv)
+for b in range(2):
+    for j in range(3):
+        rk[rows[b], :, pos[b, j]], rv[rows[b], :, pos[b, j]] = k[b, j], v[b, j]
+out.append([bool(torch.equal(ck, rk) and torch.equal(cv, rv)), 0.0, "write_kv rows"])
 print(json.dumps(out))
 """
 
@@ -236,9 +244,22 @@ def test_the_router_kernel_picks_the_experts_route_picks(interpreted):
     the same renormalised weights, in the model's dtype; the MLPs' SiLU-and-multiply kernel; and the K/V write
     into cache slots from strided projection slices."""
     rows = interpreted(ROUTER_SCRIPT)
-    assert len(rows) == 6 and [r[2] for r in rows[-2:]] == ["silu_mul", "write_kv"]
+    assert len(rows) == 7 and [r[2] for r in rows[-3:]] == ["silu_mul", "write_kv", "write_kv rows"]
     for same, err, dtype in rows:
         assert same and err < (1e-2 if "bfloat16" in dtype else 1e-6), rows
+
+
+def test_write_kv_into_some_rows_off_the_kernel():
+    """The torch route of ``write_kv(rows=...)`` (no Triton): a prefill's K/V land in its rows' slots only."""
+    from dflash_lab.spec_decode.fast.triton_ops import write_kv
+
+    g = torch.Generator().manual_seed(4)
+    k, v = torch.randn(2, 3, 2, 16, generator=g), torch.randn(2, 3, 2, 16, generator=g)
+    pos, rows = torch.tensor([[0, 1, 2], [0, 1, 2]]), torch.tensor([2, 0])
+    ck, cv = torch.zeros(3, 2, 8, 16), torch.zeros(3, 2, 8, 16)
+    write_kv(ck, cv, k, v, pos, rows=rows)
+    assert torch.equal(ck[2, :, :3], k[0].transpose(0, 1)) and torch.equal(cv[0, :, :3], v[1].transpose(0, 1))
+    assert not ck[1].any() and not cv[:, :, 3:].any()
 
 
 TAIL_SCRIPT = r"""

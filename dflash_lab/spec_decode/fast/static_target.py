@@ -218,9 +218,9 @@ class StaticTarget:
             q, k, v = qkvg[..., :sum(lay.split[:3])].split(lay.split[:3], dim=-1)
             q = triton_ops.norm_rope(a.q_norm, q, cos, sin, heads, a.head_dim)  # (B, Q, H, hd)
             k = triton_ops.norm_rope(a.k_norm, k, cos, sin, nkv, a.head_dim)  # (B, Q, nkv, hd)
-            cache_k, cache_v = k.transpose(1, 2), v.view(B, Q, -1, a.head_dim).transpose(1, 2)  # (B, nkv, Q, hd)
-            self.cache[i][0][:, :, :Q].index_copy_(0, rows, cache_k)
-            self.cache[i][1][:, :, :Q].index_copy_(0, rows, cache_v)
+            v = v.view(B, Q, -1, a.head_dim)
+            triton_ops.write_kv(*self.cache[i], k, v, positions, rows=rows)  # into the rows' slots, one kernel
+            cache_k, cache_v = k.transpose(1, 2), v.transpose(1, 2)  # (B, nkv, Q, hd): what the prefill attends to
         if fused is not None:  # (query positions, tree start, ancestors): one kernel, gate included
             qpos, start, ancestors = fused
             return gemv.linear(attention.gated_attention(q, cache_k, cache_v, g, qpos, a.scaling, window=lay.window,
@@ -294,8 +294,13 @@ class StaticTarget:
         m = self.model.model
         h = m.embed_tokens(ids)
         rope_pos = positions if self.rope_tables is not None and rows is None else None
-        rope = self.rope_tables if rope_pos is not None else \
-            {t: m.rotary_emb(h, positions, t) for t in set(self.layer_types)}  # tables (S, rd), or (B, Q, rd)
+        if rope_pos is not None:  # tables (S, rd), read at the positions inside the kernels
+            rope = self.rope_tables
+        elif self.rope_tables is not None:  # a prefill from position 0: the tables' first Q rows (a view at n = 1)
+            rope = {t: tuple(c[:ids.shape[1]].expand(ids.shape[0], -1, -1) for c in cs)
+                    for t, cs in self.rope_tables.items()}
+        else:  # (B, Q, rd)
+            rope = {t: m.rotary_emb(h, positions, t) for t in set(self.layer_types)}
         slots = None if rows is None else self.slots[:ids.shape[1]]
         windows = {lay.window for lay in self.layers}
         write_at = positions if tree is None else start[:, None] + self.slots[:ids.shape[1]]

@@ -157,33 +157,42 @@ if triton is not None:
 
 
     @triton.jit
-    def _write_kv_kernel(k_ptr, v_ptr, ck_ptr, cv_ptr, pos_ptr, Q, NKV, sk_b, sk_q, sk_h, sv_b, sv_q, sv_h,
-                         sc_b, sc_h, sc_s, HD: tl.constexpr, BLOCK_D: tl.constexpr):
+    def _write_kv_kernel(k_ptr, v_ptr, ck_ptr, cv_ptr, pos_ptr, rows_ptr, Q, NKV, sk_b, sk_q, sk_h, sv_b, sv_q,
+                         sv_h, sc_b, sc_h, sc_s, ROWS: tl.constexpr, HD: tl.constexpr, BLOCK_D: tl.constexpr):
         t = tl.program_id(0)  # token b * Q + j
         h = tl.program_id(1)
         b, j = t // Q, t % Q
         slot = tl.load(pos_ptr + t).to(tl.int64)
         d = tl.arange(0, BLOCK_D)
         m = d < HD
-        dst = b.to(tl.int64) * sc_b + h * sc_h + slot * sc_s + d
+        row = tl.load(rows_ptr + b).to(tl.int64) if ROWS else b.to(tl.int64)
+        dst = row * sc_b + h * sc_h + slot * sc_s + d
         tl.store(ck_ptr + dst, tl.load(k_ptr + b * sk_b + j * sk_q + h * sk_h + d, mask=m), mask=m)
         tl.store(cv_ptr + dst, tl.load(v_ptr + b * sv_b + j * sv_q + h * sv_h + d, mask=m), mask=m)
 
 
 def write_kv(cache_k: torch.Tensor, cache_v: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             positions: torch.Tensor) -> None:
-    """cache_k/v (B, nkv, S, hd)[b, :, positions[b, j]] = k/v (B, Q, nkv, hd)[b, j]: both in one kernel where
-    ``enabled`` (k and v may be strided slices; the caches share their strides), else two scatters."""
+             positions: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+    """cache_k/v (R, nkv, S, hd)[r_b, :, positions[b, j]] = k/v (B, Q, nkv, hd)[b, j], r_b = rows[b] (a prefill
+    of some rows), else b: both in one kernel where ``enabled`` (k and v may be strided slices; the caches share
+    their strides), else two scatters."""
     B, Q, nkv, hd = k.shape
     if not enabled(k) or k.stride(-1) != 1 or v.stride(-1) != 1 or cache_k.stride() != cache_v.stride():
+        if rows is not None:  # the caches are state, never differentiated (as the kernel's writes are not)
+            index = (rows[:, None, None], torch.arange(nkv, device=k.device)[None, :, None], positions[:, None, :])
+            with torch.no_grad():
+                cache_k.index_put_(index, k.transpose(1, 2))
+                cache_v.index_put_(index, v.transpose(1, 2))
+            return
         index = positions[:, None, :, None].expand(B, nkv, Q, hd)
         cache_k.scatter_(2, index, k.transpose(1, 2))
         cache_v.scatter_(2, index, v.transpose(1, 2))
         return
     pos = positions.contiguous()
-    _write_kv_kernel[(B * Q, nkv)](k, v, cache_k, cache_v, pos, Q, nkv, k.stride(0), k.stride(1), k.stride(2),
-                                   v.stride(0), v.stride(1), v.stride(2), cache_k.stride(0), cache_k.stride(1),
-                                   cache_k.stride(2), HD=hd, BLOCK_D=triton.next_power_of_2(hd))
+    _write_kv_kernel[(B * Q, nkv)](k, v, cache_k, cache_v, pos, pos if rows is None else rows, Q, nkv, k.stride(0),
+                                   k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), cache_k.stride(0),
+                                   cache_k.stride(1), cache_k.stride(2), ROWS=rows is not None, HD=hd,
+                                   BLOCK_D=triton.next_power_of_2(hd))
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
