@@ -67,7 +67,29 @@ def gemv_sweep(ex, x, weights, dev) -> dict:
     ms = graphed_ms(lambda: calls(gemv_call), dev, reps=200) / LAYERS
     print(f"both at their best: {ms:.4f} ms a call, {ms / block_ms:.2f}x the block path")
     best["dense"] = dense_sweep(dev)
+    best["route_warps"] = route_sweep(dev)
     return best
+
+
+def route_sweep(dev) -> int:
+    """``moe.fused_route`` for one token at XS.2's router (256 experts, top-8) over its warps, LAYERS calls a
+    graph; sets and returns the fastest."""
+    cfg = SimpleNamespace(**LAGUNA_XS_2_FULL)
+    g = torch.Generator(device="cuda").manual_seed(2)
+    logits = [torch.randn(1, cfg.num_experts, device=dev, dtype=torch.bfloat16, generator=g) for _ in range(LAYERS)]
+    bias = torch.randn(cfg.num_experts, device=dev, generator=g) * 0.1
+    calls = lambda: [moe.fused_route(x, bias, cfg.num_experts_per_tok, torch.bfloat16) for x in logits]  # noqa: E731
+    ref = calls()
+    timed = []
+    for w in (1, 2, 4, 8):
+        moe.ROUTE_WARPS = w
+        same = all(torch.equal(a[1], b[1]) for a, b in zip(calls(), ref))
+        ms = graphed_ms(calls, dev, reps=100) / LAYERS
+        print(f"router, 1 token, {w} warp(s): {ms:.4f} ms a call, same experts: {same}", flush=True)
+        timed.append((ms, w))
+    moe.ROUTE_WARPS = min(timed)[1]
+    print(f"best router warps: {moe.ROUTE_WARPS}\n")
+    return moe.ROUTE_WARPS
 
 
 def dense_sweep(dev) -> dict:

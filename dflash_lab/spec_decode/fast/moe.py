@@ -284,8 +284,14 @@ def fused_route(logits: torch.Tensor, bias: torch.Tensor, top_k: int, dtype: tor
     weights = torch.empty((N, top_k), device=logits.device, dtype=dtype)
     selected = torch.empty((N, top_k), device=logits.device, dtype=torch.long)
     _route_kernel[(N,)](logits, bias, weights, selected, E, logits.stride(0), TOP_K=top_k,
-                        BLOCK_E=triton.next_power_of_2(E), BLOCK_K=triton.next_power_of_2(top_k))
+                        BLOCK_E=triton.next_power_of_2(E), BLOCK_K=triton.next_power_of_2(top_k),
+                        num_warps=ROUTE_WARPS)
     return weights, selected
+
+
+# Warps of a router program: its k rounds of max over E scores are reductions across the program's warps
+# (one warp: register shuffles only). Triton's default; ``scripts/moe_tiles.py --gemv`` times the choices.
+ROUTE_WARPS = 4
 
 
 def kernel_runs(x: torch.Tensor) -> bool:
