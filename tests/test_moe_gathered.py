@@ -118,6 +118,13 @@ def test_one_token_takes_one_block_per_chosen_expert():
     assert rows[:, 0].tolist() == [0, 1, 2, 3] and bool((rows[:, 1:] == 4).all())
 
 
+# Laguna-XS.2's layer pattern at test widths: per-layer head counts (48/64 scaled down), 1 full : 3 sliding
+SMALL_XS2 = dict(num_hidden_layers=5, vocab_size=256, hidden_size=64, intermediate_size=96, head_dim=16,
+                 num_attention_heads=4, num_key_value_heads=2, num_experts=8, num_experts_per_tok=3,
+                 moe_intermediate_size=16, shared_expert_intermediate_size=16, sliding_window=8,
+                 num_attention_heads_per_layer=[4, 8, 8, 8, 4])
+
+
 def test_the_static_path_with_laguna_xs2s_layer_pattern_matches_transformers():
     """Per-layer head counts (48/64 scaled down), 1 full : 3 sliding, a dense first layer, YaRN on full layers."""
     from transformers import DynamicCache, LagunaForCausalLM
@@ -126,10 +133,7 @@ def test_the_static_path_with_laguna_xs2s_layer_pattern_matches_transformers():
     from dflash_lab.spec_decode.fast.static_target import StaticTarget
     from dflash_lab.target import target_forward
 
-    cfg = laguna_xs_2_config(num_hidden_layers=5, vocab_size=256, hidden_size=64, intermediate_size=96, head_dim=16,
-                             num_attention_heads=4, num_key_value_heads=2, num_experts=8, num_experts_per_tok=3,
-                             moe_intermediate_size=16, shared_expert_intermediate_size=16, sliding_window=8,
-                             num_attention_heads_per_layer=[4, 8, 8, 8, 4])
+    cfg = laguna_xs_2_config(**SMALL_XS2)
     torch.manual_seed(0)
     model = LagunaForCausalLM(cfg).eval()
     ids = torch.randint(0, 256, (1, 30), generator=torch.Generator().manual_seed(0))
@@ -152,10 +156,7 @@ from dflash_lab.presets import laguna_xs_2_config
 from dflash_lab.spec_decode.fast.static_target import StaticTarget
 from dflash_lab.target import target_forward
 
-cfg = laguna_xs_2_config(num_hidden_layers=5, vocab_size=256, hidden_size=64, intermediate_size=96, head_dim=16,
-                         num_attention_heads=4, num_key_value_heads=2, num_experts=8, num_experts_per_tok=3,
-                         moe_intermediate_size=16, shared_expert_intermediate_size=24, sliding_window=8,
-                         num_attention_heads_per_layer=[4, 8, 8, 8, 4])
+cfg = laguna_xs_2_config(**dict(SMALL_XS2, shared_expert_intermediate_size=24))
 torch.manual_seed(0)
 model = LagunaForCausalLM(cfg).eval()
 ids = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(0))
@@ -184,7 +185,7 @@ def test_one_token_of_the_static_path_in_the_interpreter_matches_transformers(in
     aux states to float32 rounding. Each sparse layer's shared expert rides in its routed experts' down GEMV:
     the only silu_mul launch left is the dense layer's MLP, and a sparse layer's products are 5 GEMV launches
     (qkv+gate, o_proj, router | shared gate | up, routed gate/up, routed + shared down)."""
-    out = interpreted(ONE_TOKEN_SCRIPT)
+    out = interpreted(ONE_TOKEN_SCRIPT.replace("SMALL_XS2", repr(SMALL_XS2), 1))
     assert out["max_err"] < 1e-4, out
     n = out["launches"]
     assert n.get("triton._silu_mul_kernel", 0) == 1, n
