@@ -16,8 +16,8 @@ PYTHON=${PYTHON:-python3}
 # cell minutes in (plotly's FigureWidget needs anywidget), so ask first. The kernel runs in notebooks/: the
 # package is found through an absolute PYTHONPATH.
 "$PYTHON" -c "import nbclient, nbformat, ipykernel, plotly, anywidget, ipywidgets, tqdm" \
-  || { echo "chapters_on_xs2_pair.sh: install the lab's dependencies first (pip install -e . or wheels of the" \
-       "above)" >&2; exit 1; }
+  || { echo "chapters_on_xs2_pair.sh: install the lab's dependencies first (pip install -e ., or on a machine" \
+       "without network the wheels scripts/gpu_wheels.sh downloads)" >&2; exit 1; }
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 mkdir -p "$OUT"
 start=$(date +%s)
