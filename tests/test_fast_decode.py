@@ -448,6 +448,27 @@ def test_a_k0_step_skips_the_drafters_query_pass_and_keeps_its_context_kv_as_vll
     assert calls["draft"] == run.widths[8]  # and only the K = 7 steps ran the drafter's query pass
 
 
+
+def test_a_narrower_step_drafts_the_whole_block_and_keeps_its_first_k_as_vllm_does(shipped):
+    """At 0 < K < block - 1 vLLM 0.33's DFlash speculator still runs its 1 + num_speculative_tokens queries
+    (dflash/speculator.py:565-574) and drops the drafts past K (model_runner.py:2324-2325). The shipped drafter
+    is not causal inside the block, so a shorter block would draft other tokens: the decoder's K drafts are the
+    whole block's first K, which for some rows differ from a (K+1)-long block's."""
+    target, drafter, prompts = shipped
+    dec = FastDecoder(target, drafter, batch=4, block_size=16, capacity=160, cuda_graphs=False, widths=[4])
+    assert not drafter.config.is_causal
+    dec.prefill(prompts, 32, ())
+    differ = 0
+    for _ in range(6):
+        dec._draft(4)
+        whole = dec.dft.draft(dec.last, dec.pos, 16)[:, :3]
+        assert torch.equal(dec.drafts[:, :3], whole)
+        differ += int((dec.dft.draft(dec.last, dec.pos, 4) != whole).any(-1).sum())
+        dec._verify(4)
+        dec._append(4)
+        dec._accept(4)
+    assert differ > 0  # the block's length matters to this drafter, so which block is drafted is observable
+
 def test_serving_records_are_the_timing_records_with_vllm_bench_serves_latencies(small_pair):
     """measure_serving: one record per (method, block, concurrency, batching), outputs equal target-only's,
     static batches run as long as their slowest request, speed-ups taken at the same concurrency and batching."""

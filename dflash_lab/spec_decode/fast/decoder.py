@@ -148,13 +148,17 @@ class FastDecoder:
 
     # --- the four phases of a step (device only) --------------------------------
     # A step of ``width`` W <= B verifies [x_t, d_1 .. d_{W-1}]: the block a per-batch schedule picks
-    # (W = K + 1; W = 1 verifies x_t alone, runs no draft forward and still appends its context K/V, as
-    # vLLM 0.33's DFlash speculator does at K = 0: v1/worker/gpu/spec_decode/dflash/speculator.py:546-553).
+    # (W = K + 1). As vLLM 0.33's DFlash speculator does it, a drafter step at 0 < K < B - 1 still runs the
+    # whole block (its graphs are captured for 1 + num_speculative_tokens queries: dflash/speculator.py:565-574)
+    # and the drafts past K are dropped (v1/worker/gpu/model_runner.py:2324-2325); with a drafter that is not
+    # causal inside the block the first K drafts depend on the block's length, so this is what keeps them
+    # vLLM's. W = 1 verifies x_t alone, runs no draft forward and still appends its context K/V, as that
+    # speculator does at K = 0 (v1/worker/gpu/spec_decode/dflash/speculator.py:546-553).
     def _draft(self, width: int | None = None) -> None:
         width = width or self.B
         self.block_pos.copy_(self.pos[:, None] + self.offsets)
         if self.dft is not None and width > 1:
-            self.drafts[:, :width - 1].copy_(self.dft.draft(self.last, self.pos, width))
+            self.drafts[:, :width - 1].copy_(self.dft.draft(self.last, self.pos, self.B)[:, :width - 1])
         if self.dft is not None:
             # drafts at positions below max_position_embeddings only (vLLM's scheduler, the eager loop)
             torch.clamp(self.max_pos - 1 - self.pos, min=0, max=width - 1, out=self.n_draft)
