@@ -3,8 +3,9 @@
 One subprocess (``TRITON_INTERPRET=1``, ``DFLASH_LAB_FUSED=1``) serves both questions on the shipped pair:
 
 - lossless: with the kernels (fused attention, router, one-kernel layout, gathered experts with silu on
-  load, residual + norm tails, q/k norm + RoPE + cache write) both shipped drafters' fast generation equals
-  ``target.generate`` token for token in float32, and its draft counters equal the eager loop's;
+  load, residual + norm tails, q/k norm + RoPE + cache write, the one-row GEMVs, the DDTree beam search)
+  both shipped drafters' fast generation, chain and tree, equals ``target.generate`` token for token in
+  float32, and its draft counters equal the eager loop's;
 - cheaper: each phase of a step launches fewer kernels with the kernels than without (``measure.launches``,
   the switch turned off in the same process), and no phase reads a device value on the host (a graphed
   step could not hold one).
@@ -34,6 +35,14 @@ for name, drafter in (("paper", paper), ("poolside", poolside)):
         "equal_generate": torch.equal(fast.output_ids[0], ref),
         "counters": [[fast.stats.num_drafts, fast.stats.num_accepted_tokens],
                      [eager.stats.num_drafts, eager.stats.num_accepted_tokens]]}
+    # the DDTree step, its beam search one kernel (``fast.tree_build``): budget 16, a power of two
+    tree = FastDecoder(target, drafter, batch=1, block_size=16, capacity=64, cuda_graphs=False,
+                       tree_budget=16).generate([prompt], max_new_tokens=new)[0]
+    eager_tree = speculative_generate(target, drafter, prompt[None], max_new_tokens=new, block_size=16, tree_budget=16)
+    out["lossless"][name + " tree"] = {
+        "equal_generate": torch.equal(tree.output_ids[0], ref),
+        "counters": [[tree.stats.num_drafts, tree.stats.num_accepted_tokens],
+                     [eager_tree.stats.num_drafts, eager_tree.stats.num_accepted_tokens]]}
 for switch in ("1", "0"):
     os.environ["DFLASH_LAB_FUSED"] = switch
     dec = FastDecoder(target, paper, batch=1, block_size=16, capacity=128, cuda_graphs=False)

@@ -92,12 +92,27 @@ def _descending(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tenso
     return values.gather(-1, order), order
 
 
-def build_draft_tree(draft_logits: torch.Tensor, budget: int) -> DraftTree:
+def beam_loop(first: torch.Tensor, ext_lp: torch.Tensor, beam: torch.Tensor, budget: int):
+    """The best ``budget`` prefixes of each depth from those of the depth before, three kernels a depth.
+
+    first (b, budget): depth 1's weights, best first; ext_lp (b, K-1, C): each extension's log q at depths
+    2 .. K; beam (C,): the beam each extends. -> weights (b, K, budget), best first at every depth, and
+    (b, K-1, budget) the extensions chosen at depths 2 .. K (None when K = 1)."""
+    weights, found = [first], []
+    for d in range(ext_lp.shape[1]):
+        w, idx = (weights[-1].gather(1, beam.expand(first.shape[0], -1)) + ext_lp[:, d]).topk(budget, dim=-1)
+        weights.append(w)
+        found.append(idx)
+    return torch.stack(weights, 1), (torch.stack(found, 1) if found else None)
+
+
+def build_draft_tree(draft_logits: torch.Tensor, budget: int, *, beams=beam_loop) -> DraftTree:
     """The ``budget`` prefixes of highest path probability under the per-depth distributions of one block.
 
     draft_logits: (K, V) or (b, K, V), depth d = 1 .. K (the drafter's ``block_logits`` after x_t).
-    Fixed shapes, no host sync, two kernels per depth: it runs inside a captured step. Where weights tie
-    the set may differ from the heap's by equal-weight prefixes, but a parent always comes with its child.
+    Fixed shapes, no host sync: it runs inside a captured step. ``beams``: how each depth's best prefixes are
+    found (``beam_loop``, or the fast path's one-kernel search). Where weights tie the set may differ from the
+    heap's by equal-weight prefixes, but a parent always comes with its child.
     """
     if draft_logits.dim() == 2:
         draft_logits = draft_logits[None]
@@ -109,21 +124,16 @@ def build_draft_tree(draft_logits: torch.Tensor, budget: int) -> DraftTree:
     log_q = torch.log_softmax(draft_logits.float(), dim=-1)
     top_lp, top_ids = log_q.topk(k, dim=-1)  # (b, K, k), best first at every depth
     pad = budget - k  # a vocabulary smaller than the budget: depth 1 has k prefixes, the rest are -inf
-    weights = [F.pad(top_lp[:, 0], (0, pad), value=float("-inf"))]
+    first = F.pad(top_lp[:, 0], (0, pad), value=float("-inf"))
     beam, rank = _pairs(budget, k, log_q.device)  # the (beam, rank) extensions that can be among the best
     ext_lp = top_lp[:, 1:].gather(2, rank.expand(b, K - 1, -1))  # (b, K-1, C)
-    found = []
-    for d in range(1, K):  # the best ``budget`` prefixes of depth d + 1, from those of depth d: 3 kernels
-        w, idx = (weights[-1].gather(1, beam.expand(b, -1)) + ext_lp[:, d - 1]).topk(budget, dim=-1)
-        weights.append(w)
-        found.append(idx)
+    weights, idx = beams(first, ext_lp, beam, budget)  # (b, K, budget); (b, K-1, budget) into the extensions
     picks = [torch.arange(budget, device=log_q.device).expand(b, 1, -1)]  # depth 1: beam j is the rank-j token
-    if found:
-        idx = torch.stack(found, 1)  # (b, K-1, budget) into the extensions
+    if idx is not None:
         picks.append(beam[idx] * k + rank[idx])  # parent beam * k + rank
     # Equal weights inside a depth may come in any order (any of them is a best prefix); across depths the
     # stable sort keeps depth-major order, so a parent whose child scores the same is chosen first.
-    chosen_w, chosen = _descending(torch.stack(weights, 1).flatten(1), budget)  # over (K, budget)
+    chosen_w, chosen = _descending(weights.flatten(1), budget)  # over (K, budget)
     depth0 = chosen // budget  # 0-based depth of each node
     pick = torch.cat(picks, 1).flatten(1).gather(1, chosen)
     first = depth0 == 0

@@ -2,8 +2,8 @@
 
 ``FastDecoder(tree_budget=N)`` replays this in place of the chain's step. It drafts the block as the
 chain does, builds the tree of its N best prefixes on the device (``tree.build_draft_tree``: fixed
-shapes, no read-back), verifies [x_t, the N nodes] in one ``StaticTarget.forward`` with the tree's
-positions, slots and mask, and walks the target's argmax (``tree.accept_path``). The accepted path
+shapes, no read-back; the per-depth beam search is one kernel, ``tree_build``), verifies [x_t, the N
+nodes] in one ``StaticTarget.forward`` with the tree's positions, slots and mask, and walks the target's argmax (``tree.accept_path``). The accepted path
 is then laid out as a chain's block would be: its K/V moved to the slots of positions t .. t+n, its
 tokens as the drafts, the target's choices and features along it; the chain's append and accept
 finish the step, so the emitted tokens, the stop and length rules and the counters are the chain's
@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from ..tree import accept_path, build_draft_tree
+from .tree_build import beam_kernel
 
 
 def tree_step(dec) -> None:
@@ -22,7 +23,7 @@ def tree_step(dec) -> None:
     K, N = dec.B - 1, dec.tree_budget
     dec.block_pos.copy_(dec.pos[:, None] + dec.offsets)
     torch.clamp(dec.max_pos - 1 - dec.pos, min=0, max=K, out=dec.n_draft)
-    tree = build_draft_tree(dec.dft.draft_logits(dec.last, dec.pos, dec.B), N)
+    tree = build_draft_tree(dec.dft.draft_logits(dec.last, dec.pos, dec.B), N, beams=beam_kernel)  # one launch
     ids = torch.cat([dec.last[:, None], tree.token_ids], dim=1)  # (b, N+1)
     logits, aux = dec.tgt.forward(ids, dec.pos[:, None] + tree.depths_with_root(), tree=tree, start=dec.pos)
     choice = logits.argmax(dim=-1)  # (b, N+1): the target's token after every tree index
