@@ -1,13 +1,13 @@
 """The DDTree step of the fast path: one graph per (batch, block, node budget).
 
-``FastDecoder(tree_budget=N)`` replays this in place of the chain's step. It drafts the block as the
-chain does, builds the tree of its N best prefixes on the device (``tree.build_draft_tree``: fixed
-shapes, no read-back; the per-depth beam search is one kernel, ``tree_build``), verifies [x_t, the N
-nodes] in one ``StaticTarget.forward`` with the tree's positions, slots and mask, and walks the
-target's argmax (``tree.accept_path``). The accepted path is then laid out as a chain's block would be: its K/V moved to the slots of positions t .. t+n, its
-tokens as the drafts, the target's choices and features along it; the chain's append and accept
-finish the step, so the emitted tokens, the stop and length rules and the counters are the chain's
-code (a tree logs N draft tokens per step).
+``FastDecoder(tree_budget=N)`` replays this in place of the chain's step. It drafts the block as the chain
+does, builds the tree of its N best prefixes on the device (``tree.build_draft_tree``: fixed shapes, no
+read-back; the per-depth beam search is one kernel, ``tree_build``), verifies [x_t, the N nodes] in one
+``StaticTarget.forward`` with the tree's positions, slots and mask, and walks the target's argmax
+(``tree.accept_path``). The accepted path is then laid out as a chain's block would be: its K/V moved to the
+slots of positions t .. t+n, its tokens as the drafts, the target's choices and features along it; the chain's
+append and accept finish the step, so the emitted tokens, the stop and length rules and the counters are the
+chain's code (a tree logs N draft tokens per step).
 """
 
 from __future__ import annotations
