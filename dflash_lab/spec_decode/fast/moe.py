@@ -310,37 +310,48 @@ def gathered_experts(experts, x: torch.Tensor, selected: torch.Tensor, weights: 
     ``kernel_runs``, else the batched-matmul reference (the same blocks, exact in float32).
     """
     N, k = selected.shape
-    P = N * k
-    w_gu, w_down = experts.gate_up_proj, experts.down_proj
     x = x.contiguous()
     use_kernel = kernel_runs(x) if kernel is None else kernel
     if use_kernel and N == 1:  # the decode step: a GEMV per chosen expert, no layout
         out = one_token_experts(experts, x, selected, weights)
-    elif use_kernel:  # the layout in one kernel instead of align's ~20 small ones
-        row_pair, block_expert, used, rows, token_of_row = align_rows(selected, w_gu.shape[0])
+    elif use_kernel:
+        out = _blocks_kernel(experts, x, selected, weights)
     else:
-        row_pair, block_expert, used = align(selected, w_gu.shape[0])
-        if N == 1:  # the decode step: the layout is a constant
-            rows, valid, token_of_row = _one_token(P, BLOCK_M, x.device)[2:]
-        else:
-            rows = torch.arange(row_pair.numel(), device=x.device)
-            valid = row_pair < P
-            token_of_row = torch.where(valid, row_pair // k, 0)
-    if use_kernel and N > 1:
-        h = torch.empty(row_pair.numel(), w_gu.shape[1], device=x.device, dtype=x.dtype)
-        _block_gemm(x, token_of_row, w_gu, h, rows, row_pair, block_expert, used, None, P)
-        silu = triton_ops.is_silu(experts.act_fn)  # then the activation runs inside the down projection's loads
-        act = h if silu else triton_ops.act_mul(experts.act_fn, h)  # padding rows hold garbage, never read
-        out = torch.empty(P, w_down.shape[1], device=x.device, dtype=x.dtype)  # every pair is one row: all written
-        _block_gemm(act, rows, w_down, out, row_pair, row_pair, block_expert, used, weights.reshape(-1), P, silu)
-    elif not use_kernel:
-        a = x[token_of_row] * valid[:, None].to(x.dtype)
-        gate, up = _blocks_matmul(a, w_gu, block_expert, BLOCK_M).chunk(2, dim=-1)
-        o = _blocks_matmul(experts.act_fn(gate) * up, w_down, block_expert, BLOCK_M)  # (rows, H)
-        o = o * weights.reshape(-1)[row_pair.clamp(max=P - 1)][:, None]
-        out = torch.zeros(P + 1, o.shape[-1], device=x.device, dtype=o.dtype).index_add_(0, row_pair, o)[:P]
+        out = _blocks_reference(experts, x, selected, weights)
     out = out.view(N, k, -1)
     return out.sum(dim=1) if reduce else out
+
+
+def _blocks_kernel(experts, x: torch.Tensor, selected: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Several tokens' pairs in 16-row blocks of one expert each, two Triton block GEMMs -> (N*k, H)."""
+    P = selected.numel()
+    w_gu, w_down = experts.gate_up_proj, experts.down_proj
+    row_pair, block_expert, used, rows, token_of_row = align_rows(selected, w_gu.shape[0])  # one kernel
+    h = torch.empty(row_pair.numel(), w_gu.shape[1], device=x.device, dtype=x.dtype)
+    _block_gemm(x, token_of_row, w_gu, h, rows, row_pair, block_expert, used, None, P)
+    silu = triton_ops.is_silu(experts.act_fn)  # then the activation runs inside the down projection's loads
+    act = h if silu else triton_ops.act_mul(experts.act_fn, h)  # padding rows hold garbage, never read
+    out = torch.empty(P, w_down.shape[1], device=x.device, dtype=x.dtype)  # every pair is one row: all written
+    _block_gemm(act, rows, w_down, out, row_pair, row_pair, block_expert, used, weights.reshape(-1), P, silu)
+    return out
+
+
+def _blocks_reference(experts, x: torch.Tensor, selected: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """The same blocks as one batched matmul over the block experts' weights (exact in float32) -> (N*k, H)."""
+    N, k = selected.shape
+    P = N * k
+    w_gu, w_down = experts.gate_up_proj, experts.down_proj
+    row_pair, block_expert, _ = align(selected, w_gu.shape[0])
+    if N == 1:  # one token: the layout is a constant
+        valid, token_of_row = _one_token(P, BLOCK_M, x.device)[3:]
+    else:
+        valid = row_pair < P
+        token_of_row = torch.where(valid, row_pair // k, 0)
+    a = x[token_of_row] * valid[:, None].to(x.dtype)
+    gate, up = _blocks_matmul(a, w_gu, block_expert, BLOCK_M).chunk(2, dim=-1)
+    o = _blocks_matmul(experts.act_fn(gate) * up, w_down, block_expert, BLOCK_M)  # (rows, H)
+    o = o * weights.reshape(-1)[row_pair.clamp(max=P - 1)][:, None]
+    return torch.zeros(P + 1, o.shape[-1], device=x.device, dtype=o.dtype).index_add_(0, row_pair, o)[:P]
 
 
 def distinct_experts(selected: torch.Tensor, n_experts: int) -> torch.Tensor:
