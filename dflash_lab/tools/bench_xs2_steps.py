@@ -37,6 +37,7 @@ from ..drafter import DFlashLagunaDrafter
 from ..measure.step_bytes import NOMINAL_BANDWIDTH, drafter_step_bytes, floor_ms, target_step_bytes
 from ..measure.timing import graphed_ms
 from ..presets import LAGUNA_XS_21_DFLASH, laguna_xs_2_config
+from ..spec_decode.fast import pdl
 from ..spec_decode.fast.moe import distinct_experts, gathered_experts, uniform_distinct
 from ..spec_decode.fast.static_drafter import StaticDrafter
 from ..spec_decode.fast.static_target import StaticTarget, dense_experts, grouped_experts, grouped_usable
@@ -220,6 +221,18 @@ def measure(device, *, context: int, blocks, samples: int = 8, progress=print, o
             out["target_sdpa_attention"].append({"block": B, "ms": round(ms, 4)})
             progress(f"  target B={B:>2} with masks + SDPA attention: {ms:.3f} ms")
         del sdpa
+        out["target_without_pdl"] = []  # the same steps, every kernel started only after the last has finished
+        pdl.ON = False
+        try:
+            for B in sorted({1, max(blocks)}):
+                ids = torch.randint(0, cfg.vocab_size, (1, B), device=device)
+                pos = torch.arange(context, context + B, device=device)[None]
+                ms = graphed_ms(lambda: st.forward(ids, pos)[0].argmax(-1), device)
+                out["target_without_pdl"].append({"block": B, "ms": round(ms, 4), "pdl_runs": pdl.runs(ids)})
+                progress(f"  target B={B:>2} without programmatic dependent launch: {ms:.3f} ms")
+        finally:
+            pdl.ON = True
+        out["pdl_runs"] = pdl.runs(prompt)
         out["drafter"] = drafter_steps(drafter, model, LAGUNA_XS_21_DFLASH, context, [b for b in blocks if b > 1],
                                        bandwidth, device, progress)
     return out
@@ -317,6 +330,15 @@ def xs2_steps_markdown(r: dict) -> str:
                   "positions, only the visible slots read, the gate applied). The same steps with the masks + SDPA "
                   "route it replaced: " + ", ".join(f"{o['block']} token(s) {o['ms']:.3f} ms (fused "
                                                      f"{fused[o['block']]:.3f} ms)" for o in sdpa) + "."]
+    no_pdl = r.get("target_without_pdl")
+    if no_pdl:
+        fused = {t["block"]: t["ms"] for t in r["target"]}
+        lines += ["", "Programmatic dependent launch (`spec_decode.fast.pdl`"
+                  + ("" if r.get("pdl_runs") else "; not available on this card or Triton, so both runs are without "
+                     "it") + "): each kernel is launched while the previous drains, and the one-row kernel of a dense "
+                  "projection loads its first weights before waiting. The same steps without it: "
+                  + ", ".join(f"{o['block']} token(s) {o['ms']:.3f} ms (with it {fused[o['block']]:.3f} ms, "
+                              f"{o['ms'] / fused[o['block']]:.2f}x)" for o in no_pdl) + "."]
     prev = ", ".join(f"moe={o['moe']}: {o['ms']:.3f} ms" for o in r.get("target_other_moe", []))
     lines += ["", f"Before this change `auto` picked `{r['previous_auto_choice']}` here (torch's grouped GEMM "
               f"{'runs' if r['grouped_mm_runs'] else 'does not run'}). The full target's token with the older "

@@ -42,6 +42,7 @@ from __future__ import annotations
 import torch
 
 from ... import context_kv_kernel as kernels
+from . import pdl
 
 try:  # Triton is a GPU-side extra
     import triton
@@ -97,8 +98,9 @@ if triton is not None:
         NKV, Q, S, window, scale,
         G: tl.constexpr, HD: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr, TREE: tl.constexpr, HAS_GATE: tl.constexpr,
-        PER_HEAD: tl.constexpr, IEEE: tl.constexpr,
+        PER_HEAD: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
     ):
+        pdl.enter(PDL)
         b, kvh, qi, head, row_ok = _rows(G, BLOCK_M, NKV, Q)
         d = tl.arange(0, BLOCK_D)
         d_ok = d < HD
@@ -173,8 +175,9 @@ if triton is not None:
     @triton.jit
     def _combine_kernel(g_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, sg_b, sg_q, so_b, so_q, NKV, Q,
                         G: tl.constexpr, HD: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                        SPLITS: tl.constexpr, HAS_GATE: tl.constexpr, PER_HEAD: tl.constexpr):
+                        SPLITS: tl.constexpr, HAS_GATE: tl.constexpr, PER_HEAD: tl.constexpr, PDL: tl.constexpr):
         """The splits of one program's rows merged: each rescaled to the largest max, then summed."""
+        pdl.enter(PDL)
         b, kvh, qi, head, row_ok = _rows(G, BLOCK_M, NKV, Q)
         d = tl.arange(0, BLOCK_D)
         first = (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)).to(tl.int64) * SPLITS * BLOCK_M
@@ -234,12 +237,12 @@ def gated_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: tor
         nkv, Q, S, window or 0, float(scale),
         G=G, HD=hd, BLOCK_D=block_d, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, SPLITS=splits,
         HAS_WINDOW=window is not None, TREE=tree, HAS_GATE=gate is not None, PER_HEAD=per_head,
-        IEEE=q.dtype == torch.float32,
+        IEEE=q.dtype == torch.float32, **pdl.launch(q),
     )
     if splits > 1:
         _combine_kernel[grid[:2]](g, out, part_m, part_l, part_acc, g.stride(0), g.stride(1), out.stride(0),
                                   out.stride(1), nkv, Q, G=G, HD=hd, BLOCK_D=block_d, BLOCK_M=BLOCK_M,
-                                  SPLITS=splits, HAS_GATE=gate is not None, PER_HEAD=per_head)
+                                  SPLITS=splits, HAS_GATE=gate is not None, PER_HEAD=per_head, **pdl.launch(q))
     return out
 
 

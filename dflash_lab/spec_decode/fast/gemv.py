@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import triton_ops
+from . import pdl, triton_ops
 
 try:  # Triton is a GPU-side extra
     import triton
@@ -34,12 +34,23 @@ if triton is not None:
 
     @triton.jit
     def _pair_row(a_row, w_rows, cols, cmask, N_OUT, K, stride_wn, SILU_MUL: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, dt: tl.constexpr):
-        """One row a (K,) times BLOCK_N weight rows (and, SILU_MUL, the up rows N_OUT further): float32 sums."""
+                  BLOCK_K: tl.constexpr, dt: tl.constexpr, WAIT: tl.constexpr):
+        """One row a (K,) times BLOCK_N weight rows (and, SILU_MUL, the up rows N_OUT further): float32 sums.
+        The first chunk is peeled: its weights are loaded before a, and WAIT waits for the previous kernel
+        (``pdl.wait``) between the two, so under PDL the weights stream in while that kernel drains."""
         ks = tl.arange(0, BLOCK_K)
-        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        kmask = ks < K
+        m = cmask[:, None] & kmask[None, :]
+        w = tl.load(w_rows + ks[None, :], mask=m, other=0.0).to(tl.float32)
+        if SILU_MUL:
+            w_up = tl.load(w_rows + N_OUT * stride_wn + ks[None, :], mask=m, other=0.0).to(tl.float32)
+        pdl.wait(WAIT)
+        a = tl.load(a_row + ks, mask=kmask, other=0.0).to(tl.float32)[None, :]
+        acc = w * a
         acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        if SILU_MUL:
+            acc_up = w_up * a
+        for k0 in range(BLOCK_K, K, BLOCK_K):
             kmask = (k0 + ks) < K
             a = tl.load(a_row + k0 + ks, mask=kmask, other=0.0).to(tl.float32)[None, :]
             m = cmask[:, None] & kmask[None, :]
@@ -71,13 +82,18 @@ if triton is not None:
     def _pair_gemv_kernel(a_ptr, w_ptr, out_ptr, expert_ptr, scale_ptr, gu2_ptr, w2_ptr, P, N_OUT, K, K2, A_DIV,
                           stride_a, stride_we, stride_wn, stride_w2n, stride_out, HAS_SCALE: tl.constexpr,
                           SILU_MUL: tl.constexpr, EXTRA: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr):
+                          BLOCK_K: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
         """One (token, expert) pair p < P, one tile of output columns: out[p] = a[p // A_DIV] @ w[e]^T
         (* scale[p]). No 16-row block around a single row: every program streams its BLOCK_N weight rows with
         plain loads and sums products in float32. SILU_MUL: w holds [gate | up] (2 * N_OUT rows) and the
         program writes silu(gate) * up, each rounded to the output dtype as the block path's two steps round
         them. EXTRA: the programs of p = P compute one more row in the same launch, silu(gate) * up of the
-        [gate | up] row gu2 (2 * K2) times w2 (N_OUT, K2), unscaled (the shared expert beside the routed)."""
+        [gate | up] row gu2 (2 * K2) times w2 (N_OUT, K2), unscaled (the shared expert beside the routed).
+        PDL: launched under programmatic dependent launch (``pdl``); PREFETCH (with PDL): w is one matrix that
+        every pair reads (a dense projection; the ids go unread), so its first chunk loads before the wait."""
+        pdl.release(PDL)
+        if not PREFETCH:
+            pdl.wait(PDL)
         p = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         cmask = cols < N_OUT
@@ -86,10 +102,13 @@ if triton is not None:
             y = _silu_input_row(gu2_ptr, w2_ptr + cols[:, None].to(tl.int64) * stride_w2n, cmask, K2, BLOCK_N,
                                 BLOCK_K, dt)
         else:
-            e = tl.load(expert_ptr + p).to(tl.int64)
+            if PREFETCH:  # one matrix, no expert id to read
+                w_e = w_ptr
+            else:
+                w_e = w_ptr + tl.load(expert_ptr + p).to(tl.int64) * stride_we
             y = _pair_row(a_ptr + (p // A_DIV).to(tl.int64) * stride_a,
-                          w_ptr + e * stride_we + cols[:, None].to(tl.int64) * stride_wn, cols, cmask, N_OUT, K,
-                          stride_wn, SILU_MUL, BLOCK_N, BLOCK_K, dt)
+                          w_e + cols[:, None].to(tl.int64) * stride_wn, cols, cmask, N_OUT, K,
+                          stride_wn, SILU_MUL, BLOCK_N, BLOCK_K, dt, PREFETCH)
             if HAS_SCALE:
                 y = y * tl.load(scale_ptr + p).to(tl.float32)
         tl.store(out_ptr + p.to(tl.int64) * stride_out + cols, y.to(dt), mask=cmask)
@@ -109,10 +128,11 @@ DENSE = True
 
 
 def pair_gemv(a, w, out, expert, scale, a_div: int, silu_mul: bool = False, tile: str = "down",
-              extra: tuple | None = None) -> None:
+              extra: tuple | None = None, single: bool = False) -> None:
     """out (P, n) = each pair's row of a (row p // a_div) times its expert's w (E, N_w, K); n = N_w / 2 with
     silu_mul (w's rows [gate | up]), else N_w. extra = (gate_up (2 K2,), w2 (n, K2)): out has P + 1 rows and
-    the last is silu(gate) * up times w2, computed in the same launch."""
+    the last is silu(gate) * up times w2, computed in the same launch. single: w is one matrix (E = 1) and
+    every pair reads it, so under PDL its first chunk loads before the wait for the previous kernel."""
     P, n_out, K = expert.numel(), out.shape[1], w.shape[2]
     assert a.stride(-1) == 1 and w.stride(-1) == 1 and out.stride(-1) == 1 and a.shape[-1] == K
     assert w.shape[1] == (2 * n_out if silu_mul else n_out) and out.shape[0] == P + (extra is not None)
@@ -120,12 +140,15 @@ def pair_gemv(a, w, out, expert, scale, a_div: int, silu_mul: bool = False, tile
     if extra is not None:
         assert gu2.stride(-1) == 1 and w2.stride(-1) == 1 and w2.shape[0] == n_out
         assert gu2.shape[-1] == 2 * w2.shape[1]
+    assert not single or (w.shape[0] == 1 and extra is None)
     t = TILES[tile]
+    launch = pdl.launch(a)
     grid = (out.shape[0], triton.cdiv(n_out, t["block_n"]))
     _pair_gemv_kernel[grid](a, w, out, expert, scale if scale is not None else a, gu2, w2, P, n_out, K, w2.shape[1],
                             a_div, a.stride(0), w.stride(0), w.stride(1), w2.stride(0), out.stride(0),
                             HAS_SCALE=scale is not None, SILU_MUL=silu_mul, EXTRA=extra is not None,
-                            BLOCK_N=t["block_n"], BLOCK_K=t["block_k"], num_warps=t["num_warps"])
+                            BLOCK_N=t["block_n"], BLOCK_K=t["block_k"], num_warps=t["num_warps"],
+                            PREFETCH=launch["PDL"] and single, **launch)
 
 
 def runs(x: torch.Tensor) -> bool:
@@ -148,5 +171,5 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     if key not in _EXPERT0:  # made before a graph is captured (the first call is eager), read ever after
         _EXPERT0[key] = torch.zeros(1, dtype=torch.long, device=x.device)
     out = torch.empty(1, w.shape[0], device=x.device, dtype=x.dtype)
-    pair_gemv(x.reshape(1, K), w.unsqueeze(0), out, _EXPERT0[key], None, 1, tile="dense")
+    pair_gemv(x.reshape(1, K), w.unsqueeze(0), out, _EXPERT0[key], None, 1, tile="dense", single=True)
     return out.view(*x.shape[:-1], w.shape[0])

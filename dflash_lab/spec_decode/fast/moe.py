@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from . import gemv, triton_ops
+from . import gemv, pdl, triton_ops
 
 try:  # Triton is a GPU-side extra
     import triton
@@ -247,7 +247,8 @@ if triton is not None:
 
     @triton.jit
     def _route_kernel(logits_ptr, bias_ptr, w_ptr, sel_ptr, E, stride_l,
-                      TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+                      TOP_K: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+        pdl.enter(PDL)
         n = tl.program_id(0).to(tl.int64)
         e = tl.arange(0, BLOCK_E)
         ok = e < E
@@ -285,7 +286,7 @@ def fused_route(logits: torch.Tensor, bias: torch.Tensor, top_k: int, dtype: tor
     selected = torch.empty((N, top_k), device=logits.device, dtype=torch.long)
     _route_kernel[(N,)](logits, bias, weights, selected, E, logits.stride(0), TOP_K=top_k,
                         BLOCK_E=triton.next_power_of_2(E), BLOCK_K=triton.next_power_of_2(top_k),
-                        num_warps=ROUTE_WARPS)
+                        num_warps=ROUTE_WARPS, **pdl.launch(logits))
     return weights, selected
 
 

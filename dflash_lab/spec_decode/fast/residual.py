@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from . import triton_ops
+from . import pdl, triton_ops
 
 try:  # Triton is a GPU-side extra
     import triton
@@ -37,8 +37,9 @@ if triton is not None:
 
     @triton.jit
     def _residual_norm_kernel(h_ptr, d_ptr, s_ptr, w_ptr, h_out_ptr, x_out_ptr, D, stride_h, stride_d, stride_s,
-                              scale, eps, K: tl.constexpr, BLOCK_D: tl.constexpr):
+                              scale, eps, K: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
         # K == 0: delta = d[n]; K >= 1: delta = round(round(round(sum_k d[n, k]) * scale) + s[n])
+        pdl.enter(PDL)
         n = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK_D)
         m = cols < D
@@ -75,7 +76,8 @@ def _launch(h, d, shared, scale: float, norm, k: int):
     if n:
         _residual_norm_kernel[(n,)](h2, d2, s2, norm.weight, h_out, x_out, D, h2.stride(0), d2.stride(0),
                                     s2.stride(0), float(scale), triton_ops.norm_eps(norm), K=k,
-                                    BLOCK_D=triton.next_power_of_2(D), num_warps=4 if D <= 2048 else 8)
+                                    BLOCK_D=triton.next_power_of_2(D), num_warps=4 if D <= 2048 else 8,
+                                    **pdl.launch(h))
     return h_out.view(shape), x_out.view(shape)
 
 

@@ -31,6 +31,7 @@ import torch
 
 from ...layers import TorchOps, stacked_linears
 from ... import context_kv_kernel as kernels
+from . import pdl
 from .attention import slot_attention, usable as attention_usable  # noqa: F401 - the drafter reads them as ops.*
 
 try:  # Triton is a GPU-side extra
@@ -47,8 +48,9 @@ if triton is not None:
 
     @triton.jit
     def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, N, D, stride_x, eps, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
-                         GROUPS: tl.constexpr = 1):
+                         GROUPS: tl.constexpr = 1, PDL: tl.constexpr = False):
         # GROUPS > 1: row r is slice r % GROUPS of an input row, normed with weight row r % GROUPS (w: (GROUPS, D))
+        pdl.enter(PDL)
         rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)[:, None]  # (R, 1)
         cols = tl.arange(0, BLOCK_D)[None, :]  # (1, D)
         mask = (rows < N) & (cols < D)
@@ -95,8 +97,9 @@ if triton is not None:
     def _head_norm_rope_kernel(
         x_ptr, out_ptr, w_ptr, cos_ptr, sin_ptr, N, stride_x, stride_cs, eps,
         HEADS: tl.constexpr, HD: tl.constexpr, ROT: tl.constexpr,
-        BLOCK_T: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
+        BLOCK_T: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr, PDL: tl.constexpr,
     ):
+        pdl.enter(PDL)
         head = tl.program_id(1)  # one program = BLOCK_T tokens x one head
         tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)[:, None]  # (T, 1)
         src = x_ptr + tok.to(tl.int64) * stride_x + head * HD
@@ -113,8 +116,9 @@ if triton is not None:
         x_ptr, q_ptr, wq_ptr, wk_ptr, cos_ptr, sin_ptr, rpos_ptr, slot_ptr, ck_ptr, cv_ptr, N, Q, stride_x,
         stride_cs, sc_b, sc_h, sc_s, eps, HQ: tl.constexpr, NKV: tl.constexpr, HD: tl.constexpr, ROT: tl.constexpr,
         TABLE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr,
-        BLOCK_D: tl.constexpr,
+        BLOCK_D: tl.constexpr, PDL: tl.constexpr,
     ):
+        pdl.enter(PDL)
         # x (N, HQ*HD | NKV*HD | NKV*HD | ...) rows of the q|k|v projection. Programs of head < HQ: q's norm and
         # RoPE into q (N, HQ, HD); the others: one KV head's k (norm, RoPE) and v, written to cache slots.
         # TABLE: cos/sin are tables over positions, read at each token's rope position; else one row a token.
@@ -145,7 +149,8 @@ if triton is not None:
         tl.store(dst + ROT + c3, y3, mask=m3)
 
     @triton.jit
-    def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, I, stride_g, stride_u, BLOCK: tl.constexpr):
+    def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, I, stride_g, stride_u, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        pdl.enter(PDL)
         row = tl.program_id(0).to(tl.int64)
         col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         m = col < I
@@ -158,7 +163,9 @@ if triton is not None:
 
     @triton.jit
     def _write_kv_kernel(k_ptr, v_ptr, ck_ptr, cv_ptr, pos_ptr, rows_ptr, Q, NKV, sk_b, sk_q, sk_h, sv_b, sv_q,
-                         sv_h, sc_b, sc_h, sc_s, ROWS: tl.constexpr, HD: tl.constexpr, BLOCK_D: tl.constexpr):
+                         sv_h, sc_b, sc_h, sc_s, ROWS: tl.constexpr, HD: tl.constexpr, BLOCK_D: tl.constexpr,
+                         PDL: tl.constexpr):
+        pdl.enter(PDL)
         t = tl.program_id(0)  # token b * Q + j
         h = tl.program_id(1)
         b, j = t // Q, t % Q
@@ -192,7 +199,7 @@ def write_kv(cache_k: torch.Tensor, cache_v: torch.Tensor, k: torch.Tensor, v: t
     _write_kv_kernel[(B * Q, nkv)](k, v, cache_k, cache_v, pos, pos if rows is None else rows, Q, nkv, k.stride(0),
                                    k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), cache_k.stride(0),
                                    cache_k.stride(1), cache_k.stride(2), ROWS=rows is not None, HD=hd,
-                                   BLOCK_D=triton.next_power_of_2(hd))
+                                   BLOCK_D=triton.next_power_of_2(hd), **pdl.launch(k))
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
@@ -210,7 +217,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor
     if g2.shape[0]:
         block = min(1024, triton.next_power_of_2(I))
         _silu_mul_kernel[(g2.shape[0], triton.cdiv(I, block))](g2, u2, out, I, g2.stride(0), u2.stride(0),
-                                                               BLOCK=block)
+                                                               BLOCK=block, **pdl.launch(g2))
     return out.view(shape)
 
 
@@ -236,7 +243,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         block_r = 4 if D <= 1024 else 1
         _rms_norm_kernel[(triton.cdiv(n, block_r),)](x2, weight, out, n, D, x2.stride(0), float(eps),
                                                     BLOCK_R=block_r, BLOCK_D=triton.next_power_of_2(D), GROUPS=groups,
-                                                    num_warps=4)
+                                                    num_warps=4, **pdl.launch(x2))
     return out.view(shape)
 
 
@@ -259,7 +266,7 @@ def head_norm_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin
         _head_norm_rope_kernel[(triton.cdiv(n, block_t), heads)](
             x2, out, weight, cs, sn, n, x2.stride(0), cs.stride(0), float(eps),
             HEADS=heads, HD=head_dim, ROT=rot, BLOCK_T=block_t, BLOCK_HALF=triton.next_power_of_2(rot // 2),
-            BLOCK_PASS=triton.next_power_of_2(max(head_dim - rot, 1)), num_warps=4)
+            BLOCK_PASS=triton.next_power_of_2(max(head_dim - rot, 1)), num_warps=4, **pdl.launch(x2))
     return out.view(*lead, heads, head_dim)
 
 
@@ -297,7 +304,7 @@ def qk_rope_write(qkv: torch.Tensor, q_norm, k_norm, cos: torch.Tensor, sin: tor
         Q, x2.stride(0), cs.stride(0), cache_k.stride(0), cache_k.stride(1), cache_k.stride(2), float(eps[0]),
         HQ=heads, NKV=kv_heads, HD=head_dim, ROT=rot, TABLE=table, BLOCK_T=block_t,
         BLOCK_HALF=triton.next_power_of_2(rot // 2), BLOCK_PASS=triton.next_power_of_2(max(head_dim - rot, 1)),
-        BLOCK_D=triton.next_power_of_2(head_dim), num_warps=4)
+        BLOCK_D=triton.next_power_of_2(head_dim), num_warps=4, **pdl.launch(x2))
     return q
 
 
