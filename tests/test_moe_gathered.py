@@ -184,19 +184,21 @@ def test_one_token_of_the_static_path_in_the_interpreter_matches_transformers(in
     first layer, then sparse layers with a shared expert wider than a routed one): transformers' logits and
     aux states to float32 rounding. Each sparse layer's shared expert rides in its routed experts' down GEMV:
     the only silu_mul launch left is the dense layer's MLP, and a sparse layer's products are 5 GEMV launches
-    (qkv+gate, o_proj, router | shared gate | up, routed gate/up, routed + shared down)."""
+    (qkv+gate, o_proj, router | shared gate | up, routed gate/up, routed + shared down); the router runs inside
+    the routed gate/up launch, so no router kernel is launched at one token."""
     out = interpreted(ONE_TOKEN_SCRIPT.replace("SMALL_XS2", repr(SMALL_XS2), 1))
     assert out["max_err"] < 1e-4, out
     n = out["launches"]
     assert n.get("triton._silu_mul_kernel", 0) == 1, n
     assert n["triton._pair_gemv_kernel"] == 4 * 5 + 4, n  # 4 sparse layers x 5, the dense layer's 4
+    assert "triton._route_kernel" not in n, n
 
 
 ROUTER_SCRIPT = r"""
 import json
 import torch
 from types import SimpleNamespace
-from dflash_lab.spec_decode.fast.moe import fused_route
+from dflash_lab.spec_decode.fast.moe import fused_route, one_token_experts, routed_one_token
 from dflash_lab.spec_decode.fast.static_target import route
 
 out = []
@@ -211,6 +213,15 @@ for tokens, E, k, dtype, seed in [(1, 256, 8, torch.bfloat16, 0), (5, 12, 3, tor
     w_ref, sel_ref = route(router, logits.float(), dtype)
     w, sel = fused_route(logits, router.e_score_correction_bias, k, dtype)
     out.append([bool(torch.equal(sel, sel_ref)), ((w.float() - w_ref.float()).abs().max()).item(), str(w.dtype)])
+    if tokens == 1 or E == 12 or k == E:  # one token's router inside the routed gate/up launch, against route + the GEMVs
+        ex = SimpleNamespace(gate_up_proj=torch.randn(E, 16, 24, generator=g).to(dtype),
+                             down_proj=torch.randn(E, 24, 8, generator=g).to(dtype), act_fn=torch.nn.functional.silu)
+        x = torch.randn(1, 24, generator=g).to(dtype)
+        got, sel1 = routed_one_token(ex, x, logits[:1], router.e_score_correction_bias, k)
+        w1, s1 = route(router, logits[:1].float(), dtype)
+        want = one_token_experts(ex, x, s1, w1)
+        out.append([bool(torch.equal(sel1, s1)), ((got - want).abs().max() / want.abs().max()).item(),
+                    "routed " + str(dtype)])
 from dflash_lab.spec_decode.fast.triton_ops import act_mul
 gu = torch.randn(5, 2 * 40 + 3, generator=g)[:, 3:]  # rows strided, as the shared expert's slice is
 ref = torch.nn.functional.silu(gu[:, :40]) * gu[:, 40:]
@@ -243,9 +254,12 @@ def test_the_router_kernel_picks_the_experts_route_picks(interpreted):
     """Laguna's router in one kernel, in Triton's interpreter: the same experts in the same order as
     ``static_target.route`` (XS.2's 256 experts top-8 in bf16, a non-power-of-two count, k = 1, k = E), and
     the same renormalised weights, in the model's dtype; the MLPs' SiLU-and-multiply kernel; and the K/V write
-    into cache slots from strided projection slices."""
+    into cache slots from strided projection slices. One token's router inside the routed gate/up launch
+    (``routed_one_token``) picks route's experts and gives the routed output of route's choice and weights."""
     rows = interpreted(ROUTER_SCRIPT)
-    assert len(rows) == 7 and [r[2] for r in rows[-3:]] == ["silu_mul", "write_kv", "write_kv rows"]
+    assert len(rows) == 10 and [r[2] for r in rows[-3:]] == ["silu_mul", "write_kv", "write_kv rows"]
+    assert [r[2] for r in rows if r[2].startswith("routed")] == [
+        "routed torch.bfloat16", "routed torch.float32", "routed torch.float32"], rows  # E = 256, 12, k = E
     for same, err, dtype in rows:
         assert same and err < (1e-2 if "bfloat16" in dtype else 1e-6), rows
 
@@ -427,3 +441,13 @@ def test_gpu_the_shared_expert_in_the_routed_launch_compiled_in_bfloat16():
     shared = torch.nn.functional.linear(torch.nn.functional.silu(gu[:, 256:768]) * gu[:, 768:], w_down).float()
     for got, want in ((out[:8], routed), (out[8:], shared)):
         assert ((got - want).abs().max() / want.abs().max()).item() < 2e-2
+    # the router inside the gate/up launch (256 experts, top 8 of 32 here: biased toward the first 32)
+    from dflash_lab.spec_decode.fast.moe import fused_route, routed_one_token
+
+    logits = torch.randn(1, 256 + 9, device=dev, dtype=torch.bfloat16, generator=g)[:, 9:]
+    bias = torch.cat([torch.zeros(32, device=dev), torch.full((224,), -9.0, device=dev)])
+    got, sel = routed_one_token(ex, x, logits, bias, 8, shared=(gu[0, 256:], w_down))
+    w_ref, sel_ref = fused_route(logits, bias, 8, torch.bfloat16)
+    want = one_token_experts(ex, x, sel_ref, w_ref, shared=(gu[0, 256:], w_down))
+    assert torch.equal(sel, sel_ref)
+    assert ((got.float() - want.float()).abs().max() / want.float().abs().max()).item() < 2e-2

@@ -28,9 +28,11 @@ from a mask (slot == position in the static cache):
 A program takes one (row, KV head, 16 of the g*Q query rows): the g query heads that share a KV head
 are folded into the rows (as ``gqa_attention`` folds them), so K/V are read once per KV head. It walks
 only the slot blocks between the lowest slot any of its queries sees (the window) and the highest. On a
-long cache (``num_splits``: from 512 slots) several programs share that range and a second kernel merges
-their partial maxima, sums and accumulators (flash-decoding), so that a decode step of a few rows does not
-walk a thousand slots in a handful of programs.
+long cache (``num_splits``: from 512 slots) several programs share that range and their partial maxima, sums
+and accumulators are merged (flash-decoding), so that a decode step of a few rows does not walk a thousand
+slots in a handful of programs. The merge runs in the split that finishes last (each split counts itself in
+on an atomic counter, ``MERGE_IN_LAST``), so the whole attention stays one launch; a second kernel merges
+instead where no counters are at hand (a first call while a CUDA graph is being captured) or the switch is off.
 The exponentials run in float32; float32 inputs multiply in IEEE float32 (no TF32).
 
 Off CUDA (and without Triton) ``usable`` is False and the static path keeps the torch route; Triton's
@@ -53,6 +55,8 @@ except ImportError:  # pragma: no cover - depends on the machine
 BLOCK_N = 32  # key slots per iteration
 BLOCK_M = 16  # folded query rows per program, whatever Q is: a row's sums never depend on the step's width
 SPLIT_FROM, SPLIT_SLOTS, MAX_SPLITS = 512, 128, 8  # flash-decoding: a long cache's slots shared by programs
+MERGE_IN_LAST = True  # the splits merged by the last of them (one launch), not by a second kernel
+_COUNTERS: dict = {}  # device -> int32 zeros, one per (row, KV head, row block); the merging split resets its own
 
 
 def usable(q: torch.Tensor) -> bool:
@@ -98,7 +102,7 @@ if triton is not None:
         NKV, Q, S, window, scale,
         G: tl.constexpr, HD: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr, TREE: tl.constexpr, HAS_GATE: tl.constexpr,
-        PER_HEAD: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr,
+        PER_HEAD: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr, count_ptr=None, MERGE: tl.constexpr = False,
     ):
         pdl.enter(PDL)
         b, kvh, qi, head, row_ok = _rows(G, BLOCK_M, NKV, Q)
@@ -161,39 +165,56 @@ if triton is not None:
             else:
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
-        if SPLITS > 1:  # the partial (max, sum, accumulator) for ``_combine_kernel``
-            part = ((tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * SPLITS + tl.program_id(2)).to(
-                tl.int64) * BLOCK_M
+        if SPLITS > 1:  # the partial (max, sum, accumulator) for ``_merge``
+            tile = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+            part = (tile * SPLITS + tl.program_id(2)).to(tl.int64) * BLOCK_M
             rows = part + tl.arange(0, BLOCK_M)
             tl.store(part_m_ptr + rows, m_i)
             tl.store(part_l_ptr + rows, l_i)
             tl.store(part_acc_ptr + rows[:, None] * BLOCK_D + d[None, :], acc)
+            if MERGE:  # the last split to count itself in merges all of them, then resets the counter
+                tl.debug_barrier()  # every thread's partial stored before the count releases them
+                arrived = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+                if arrived == SPLITS - 1:
+                    _merge((tile * SPLITS).to(tl.int64) * BLOCK_M, b, qi, head, row_ok, g_ptr, out_ptr, part_m_ptr,
+                           part_l_ptr, part_acc_ptr, sg_b, sg_q, so_b, so_q, HD, BLOCK_D, BLOCK_M, SPLITS,
+                           HAS_GATE, PER_HEAD)
+                    tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed", scope="gpu")
         else:
             _finish(acc, l_i, b, qi, head, row_ok, g_ptr, out_ptr, sg_b, sg_q, so_b, so_q,
                     HD, BLOCK_D, HAS_GATE, PER_HEAD)
 
     @triton.jit
-    def _combine_kernel(g_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, sg_b, sg_q, so_b, so_q, NKV, Q,
-                        G: tl.constexpr, HD: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                        SPLITS: tl.constexpr, HAS_GATE: tl.constexpr, PER_HEAD: tl.constexpr, PDL: tl.constexpr):
-        """The splits of one program's rows merged: each rescaled to the largest max, then summed."""
-        pdl.enter(PDL)
-        b, kvh, qi, head, row_ok = _rows(G, BLOCK_M, NKV, Q)
+    def _merge(first, b, qi, head, row_ok, g_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, sg_b, sg_q, so_b,
+               so_q, HD: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, SPLITS: tl.constexpr,
+               HAS_GATE: tl.constexpr, PER_HEAD: tl.constexpr):
+        """The SPLITS partials of one program's rows (from row ``first``) merged: each rescaled to the largest
+        max, then summed; finished as one split would be. Read past L1 (other programs wrote them)."""
         d = tl.arange(0, BLOCK_D)
-        first = (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)).to(tl.int64) * SPLITS * BLOCK_M
         m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
         for sp in tl.static_range(SPLITS):
-            m = tl.maximum(m, tl.load(part_m_ptr + first + sp * BLOCK_M + tl.arange(0, BLOCK_M)))
+            m = tl.maximum(m, tl.load(part_m_ptr + first + sp * BLOCK_M + tl.arange(0, BLOCK_M), cache_modifier=".cg"))
         m_safe = tl.where(m == float("-inf"), 0.0, m)
         l_i = tl.zeros((BLOCK_M,), tl.float32)
         acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
         for sp in tl.static_range(SPLITS):
             rows = first + sp * BLOCK_M + tl.arange(0, BLOCK_M)
-            w = tl.exp(tl.load(part_m_ptr + rows) - m_safe)  # 0 for a split that saw nothing
-            l_i += w * tl.load(part_l_ptr + rows)
-            acc += w[:, None] * tl.load(part_acc_ptr + rows[:, None] * BLOCK_D + d[None, :])
+            w = tl.exp(tl.load(part_m_ptr + rows, cache_modifier=".cg") - m_safe)  # 0 for a split that saw nothing
+            l_i += w * tl.load(part_l_ptr + rows, cache_modifier=".cg")
+            acc += w[:, None] * tl.load(part_acc_ptr + rows[:, None] * BLOCK_D + d[None, :], cache_modifier=".cg")
         _finish(acc, l_i, b, qi, head, row_ok, g_ptr, out_ptr, sg_b, sg_q, so_b, so_q,
                 HD, BLOCK_D, HAS_GATE, PER_HEAD)
+
+    @triton.jit
+    def _combine_kernel(g_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, sg_b, sg_q, so_b, so_q, NKV, Q,
+                        G: tl.constexpr, HD: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                        SPLITS: tl.constexpr, HAS_GATE: tl.constexpr, PER_HEAD: tl.constexpr, PDL: tl.constexpr):
+        """The splits of one program's rows merged, as a kernel of its own (``_merge``)."""
+        pdl.enter(PDL)
+        b, kvh, qi, head, row_ok = _rows(G, BLOCK_M, NKV, Q)
+        first = (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)).to(tl.int64) * SPLITS * BLOCK_M
+        _merge(first, b, qi, head, row_ok, g_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, sg_b, sg_q, so_b,
+               so_q, HD, BLOCK_D, BLOCK_M, SPLITS, HAS_GATE, PER_HEAD)
 
 
 def gated_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor | None, qpos: torch.Tensor,
@@ -229,6 +250,7 @@ def gated_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: tor
         part_acc = torch.empty((parts, block_d), device=q.device, dtype=torch.float32)
     else:  # never read: the kernel finishes in place
         part_m = part_l = part_acc = out
+    counts = _counters(q.device, grid[0] * grid[1]) if splits > 1 and MERGE_IN_LAST else None
     _gated_attention_kernel[grid](
         q, k, v, g, out, qpos, start, anc, part_m, part_l, part_acc,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
@@ -237,13 +259,25 @@ def gated_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: tor
         nkv, Q, S, window or 0, float(scale),
         G=G, HD=hd, BLOCK_D=block_d, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, SPLITS=splits,
         HAS_WINDOW=window is not None, TREE=tree, HAS_GATE=gate is not None, PER_HEAD=per_head,
-        IEEE=q.dtype == torch.float32, **pdl.launch(q),
+        IEEE=q.dtype == torch.float32, **pdl.launch(q), count_ptr=counts, MERGE=counts is not None,
     )
-    if splits > 1:
+    if splits > 1 and counts is None:
         _combine_kernel[grid[:2]](g, out, part_m, part_l, part_acc, g.stride(0), g.stride(1), out.stride(0),
                                   out.stride(1), nkv, Q, G=G, HD=hd, BLOCK_D=block_d, BLOCK_M=BLOCK_M,
                                   SPLITS=splits, HAS_GATE=gate is not None, PER_HEAD=per_head, **pdl.launch(q))
     return out
+
+
+def _counters(device: torch.device, n: int) -> torch.Tensor | None:
+    """n zeroed int32 counters for the in-kernel merge, kept per device (each merge leaves its counter at 0
+    again). None while a CUDA graph is being captured and none are allocated yet: an allocation there would
+    belong to the graph's memory pool."""
+    have = _COUNTERS.get(device)
+    if have is None or have.numel() < n:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        _COUNTERS[device] = have = torch.zeros(max(n, 4096), device=device, dtype=torch.int32)
+    return have
 
 
 def num_splits(slots: int) -> int:

@@ -79,10 +79,40 @@ if triton is not None:
         return tl.sum(acc, axis=1)
 
     @triton.jit
+    def _route_pick(logits_ptr, bias_ptr, sel_ptr, wt_ptr, p, E, STORE, TOP_K: tl.constexpr, BLOCK_E: tl.constexpr):
+        """Laguna's router for one token inside a routed expert's program: sigmoid scores of the logits (E,),
+        the top TOP_K of score + bias (best first, the lowest id among equals, as ``moe.fused_route``), and
+        this pair's (p-th) expert id. STORE: also write it and its weight, its score over the chosen scores',
+        to sel[p] / wt[p] (for the down projection). Each round is one max over keys that pack the score's
+        order-preserving bits above the inverted expert id, so the max names its expert."""
+        e = tl.arange(0, BLOCK_E)
+        ok = e < E
+        score = 1.0 / (1.0 + tl.exp(-tl.load(logits_ptr + e, mask=ok, other=0.0).to(tl.float32)))
+        key = tl.where(ok, score + tl.load(bias_ptr + e, mask=ok, other=0.0).to(tl.float32), float("-inf"))
+        bits = key.to(tl.int32, bitcast=True)
+        order = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # a float's order as a signed integer's
+        packed = (order.to(tl.int64) << 32) | (BLOCK_E - 1 - e).to(tl.int64)
+        chosen = e < 0
+        mine = tl.sum(tl.zeros((BLOCK_E,), tl.int64), axis=0)
+        for i in tl.static_range(TOP_K):
+            best = tl.max(packed, axis=0)
+            idx = BLOCK_E - 1 - (best & (BLOCK_E - 1))  # the low bits: BLOCK_E is a power of two
+            chosen = chosen | (e == idx)
+            mine = tl.where(p == i, idx, mine)
+            packed = tl.where(packed == best, -9223372036854775807 - 1, packed)
+        weight = tl.sum(tl.where(e == mine, score, 0.0), axis=0) / tl.sum(tl.where(chosen, score, 0.0), axis=0)
+        if STORE:
+            tl.store(sel_ptr + p, mine)
+            tl.store(wt_ptr + p, weight.to(wt_ptr.dtype.element_ty))
+        return mine
+
+    @triton.jit
     def _pair_gemv_kernel(a_ptr, w_ptr, out_ptr, expert_ptr, scale_ptr, gu2_ptr, w2_ptr, P, N_OUT, K, K2, A_DIV,
                           stride_a, stride_we, stride_wn, stride_w2n, stride_out, HAS_SCALE: tl.constexpr,
                           SILU_MUL: tl.constexpr, EXTRA: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
+                          BLOCK_K: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
+                          logits_ptr=None, bias_ptr=None, wt_ptr=None, E=0, ROUTE: tl.constexpr = False,
+                          TOP_K: tl.constexpr = 1, BLOCK_E: tl.constexpr = 1):
         """One (token, expert) pair p < P, one tile of output columns: out[p] = a[p // A_DIV] @ w[e]^T
         (* scale[p]). No 16-row block around a single row: every program streams its BLOCK_N weight rows with
         plain loads and sums products in float32. SILU_MUL: w holds [gate | up] (2 * N_OUT rows) and the
@@ -90,7 +120,9 @@ if triton is not None:
         them. EXTRA: the programs of p = P compute one more row in the same launch, silu(gate) * up of the
         [gate | up] row gu2 (2 * K2) times w2 (N_OUT, K2), unscaled (the shared expert beside the routed).
         PDL: launched under programmatic dependent launch (``pdl``); PREFETCH (with PDL): w is one matrix that
-        every pair reads (a dense projection; the ids go unread), so its first chunk loads before the wait."""
+        every pair reads (a dense projection; the ids go unread), so its first chunk loads before the wait.
+        ROUTE: one token's pairs p < TOP_K route themselves (``_route_pick`` on the router's logits and bias):
+        the tile-0 programs write the expert ids into expert_ptr and their weights into wt_ptr."""
         pdl.release(PDL)
         if not PREFETCH:
             pdl.wait(PDL)
@@ -104,6 +136,9 @@ if triton is not None:
         else:
             if PREFETCH:  # one matrix, no expert id to read
                 w_e = w_ptr
+            elif ROUTE:
+                w_e = w_ptr + _route_pick(logits_ptr, bias_ptr, expert_ptr, wt_ptr, p, E, tl.program_id(1) == 0,
+                                          TOP_K, BLOCK_E) * stride_we
             else:
                 w_e = w_ptr + tl.load(expert_ptr + p).to(tl.int64) * stride_we
             y = _pair_row(a_ptr + (p // A_DIV).to(tl.int64) * stride_a,
@@ -128,11 +163,13 @@ DENSE = True
 
 
 def pair_gemv(a, w, out, expert, scale, a_div: int, silu_mul: bool = False, tile: str = "down",
-              extra: tuple | None = None, single: bool = False) -> None:
+              extra: tuple | None = None, single: bool = False, route: tuple | None = None) -> None:
     """out (P, n) = each pair's row of a (row p // a_div) times its expert's w (E, N_w, K); n = N_w / 2 with
     silu_mul (w's rows [gate | up]), else N_w. extra = (gate_up (2 K2,), w2 (n, K2)): out has P + 1 rows and
     the last is silu(gate) * up times w2, computed in the same launch. single: w is one matrix (E = 1) and
-    every pair reads it, so under PDL its first chunk loads before the wait for the previous kernel."""
+    every pair reads it, so under PDL its first chunk loads before the wait for the previous kernel.
+    route = (logits (E,), bias (E,), weights (P,)) for one token (a_div = P pairs, its top P experts): the
+    kernel routes, writing the expert ids into ``expert`` and their weights into weights."""
     P, n_out, K = expert.numel(), out.shape[1], w.shape[2]
     assert a.stride(-1) == 1 and w.stride(-1) == 1 and out.stride(-1) == 1 and a.shape[-1] == K
     assert w.shape[1] == (2 * n_out if silu_mul else n_out) and out.shape[0] == P + (extra is not None)
@@ -141,6 +178,13 @@ def pair_gemv(a, w, out, expert, scale, a_div: int, silu_mul: bool = False, tile
         assert gu2.stride(-1) == 1 and w2.stride(-1) == 1 and w2.shape[0] == n_out
         assert gu2.shape[-1] == 2 * w2.shape[1]
     assert not single or (w.shape[0] == 1 and extra is None)
+    routing = {}
+    if route is not None:
+        logits, bias, wt = route
+        assert a.shape[0] == 1 and a_div == P and extra is None and scale is None and logits.stride(-1) == 1
+        assert expert.dtype == torch.long and expert.is_contiguous() and wt.is_contiguous() and wt.numel() == P
+        routing = dict(logits_ptr=logits, bias_ptr=bias, wt_ptr=wt, E=logits.shape[-1], ROUTE=True, TOP_K=P,
+                       BLOCK_E=triton.next_power_of_2(logits.shape[-1]))
     t = TILES[tile]
     launch = pdl.launch(a)
     grid = (out.shape[0], triton.cdiv(n_out, t["block_n"]))
@@ -148,7 +192,7 @@ def pair_gemv(a, w, out, expert, scale, a_div: int, silu_mul: bool = False, tile
                             a_div, a.stride(0), w.stride(0), w.stride(1), w2.stride(0), out.stride(0),
                             HAS_SCALE=scale is not None, SILU_MUL=silu_mul, EXTRA=extra is not None,
                             BLOCK_N=t["block_n"], BLOCK_K=t["block_k"], num_warps=t["num_warps"],
-                            PREFETCH=launch["PDL"] and single, **launch)
+                            PREFETCH=launch["PDL"] and single, **routing, **launch)
 
 
 def runs(x: torch.Tensor) -> bool:

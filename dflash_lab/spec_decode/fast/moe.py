@@ -19,7 +19,9 @@ reads the weights of the experts that were chosen and no others: at Laguna-XS.2'
     one token   the decode step's k pairs need neither layout nor blocks: a GEMV kernel per projection
                 (``gemv``), program (pair, column tile), streams each chosen expert's rows once; the
                 gate/up program writes silu(gate) * up itself, and the shared expert's down projection
-                runs in the routed down projection's launch (``one_token_experts(shared=...)``)
+                runs in the routed down projection's launch (``one_token_experts(shared=...)``); with
+                ``routed_one_token`` each gate/up program also routes (the top k of the router's logits),
+                so router, routed and shared experts are two launches
 
 On CUDA the GEMMs are a Triton kernel; elsewhere (and as the reference) the same
 blocks run as one batched matmul over the block experts' weights, exact in float32. The router
@@ -231,15 +233,34 @@ def one_token_experts(experts, x: torch.Tensor, selected: torch.Tensor, weights:
     shared = (gate_up (2 I_s,), down (H, I_s)): the shared expert's down projection rides in the routed down
     projection's launch, reading silu(gate) * up from its gate/up output; -> (k + 1, H), the last row the
     shared expert's (unscaled)."""
-    k = selected.shape[1]
+    return _one_token_gemvs(experts, x, selected.reshape(-1).contiguous(), weights.reshape(-1).contiguous(),
+                            shared)
+
+
+def routed_one_token(experts, x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, top_k: int,
+                     shared: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``one_token_experts`` with the router inside the gate/up launch: logits (1, E) (a row of any stride
+    whose last dimension is contiguous), bias (E,) -> (its output, expert ids (1, k)). Each gate/up program
+    picks its own expert from the logits (``fused_route``'s choice and weights), so the router is no launch
+    of its own; the down projection reads the ids and weights the gate/up programs wrote."""
+    if logits.shape[0] != 1 or logits.stride(-1) != 1 or not 1 <= top_k <= logits.shape[-1]:
+        raise ValueError(f"routed_one_token: logits {tuple(logits.shape)} must be one row (1, E) with a contiguous "
+                         f"last dimension and 1 <= top_k ({top_k}) <= E")
+    sel = torch.empty(top_k, device=x.device, dtype=torch.long)
+    wt = torch.empty(top_k, device=x.device, dtype=x.dtype)
+    return _one_token_gemvs(experts, x, sel, wt, shared, route=(logits[0], bias, wt)), sel.view(1, top_k)
+
+
+def _one_token_gemvs(experts, x, sel, wt, shared, route=None) -> torch.Tensor:
+    """The two GEMV launches of one token's routed experts (and the shared expert's down projection)."""
+    k = sel.numel()
     w_gu, w_down = experts.gate_up_proj, experts.down_proj
-    sel = selected.reshape(-1).contiguous()
     silu = triton_ops.is_silu(experts.act_fn)
     h = torch.empty(k, w_gu.shape[1] // 2 if silu else w_gu.shape[1], device=x.device, dtype=x.dtype)
-    gemv.pair_gemv(x, w_gu, h, sel, None, k, silu, tile="gate_up")
+    gemv.pair_gemv(x, w_gu, h, sel, None, k, silu, tile="gate_up", route=route)
     act = h if silu else triton_ops.act_mul(experts.act_fn, h)
     out = torch.empty(k + (shared is not None), w_down.shape[1], device=x.device, dtype=x.dtype)
-    gemv.pair_gemv(act, w_down, out, sel, weights.reshape(-1).contiguous(), 1, extra=shared)
+    gemv.pair_gemv(act, w_down, out, sel, wt, 1, extra=shared)
     return out
 
 

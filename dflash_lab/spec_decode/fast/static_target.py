@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from ...layers import additive_mask, gqa_attention, grouped_mask
 from . import attention, gemv, residual, triton_ops
 from ..tree import DraftTree, tree_visible
-from .moe import fused_route, gathered_experts, kernel_runs, one_token_experts, route_runs
+from .moe import fused_route, gathered_experts, kernel_runs, one_token_experts, route_runs, routed_one_token
 
 MOE_IMPLEMENTATIONS = ("auto", "gathered", "grouped", "dense")
 GROUPED_FROM_PAIRS = 4096  # "auto": more (token, expert) pairs than this (a prefill) go to torch's grouped GEMM
@@ -246,20 +246,27 @@ class StaticTarget:
         n_exp = router.weight.shape[0]
         g = gemv.linear(x, lay.w_gu)  # router | shared gate | up
         logits = g[:, :n_exp]
-        # one token: the shared expert's down projection rides in the routed experts' down GEMV (one launch)
+        # one token: the router runs inside the routed gate/up launch, and the shared expert's down projection
+        # rides in the routed down launch (two launches for router, routed and shared experts)
         one = B * Q == 1 and self.moe == "gathered" and kernel_runs(x) and triton_ops.is_silu(lay.act)
-        if not one:
-            shared = gemv.linear(triton_ops.act_mul(lay.act, g[:, n_exp:]), lay.w_down)
-        if route_runs(logits, router):  # one kernel: float32 inside
-            weights, selected = fused_route(logits, router.e_score_correction_bias, router.top_k, x.dtype)
-        else:
-            weights, selected = route(router, logits.float(), x.dtype)  # (N, k) each
+        fused = route_runs(logits, router)  # the router in Triton (float32 inside), not torch's ops
         if one:
+            both = (g[0, n_exp:], lay.w_down)
+            if fused:
+                out, selected = routed_one_token(mlp.experts, x, logits, router.e_score_correction_bias,
+                                                 router.top_k, shared=both)
+            else:
+                weights, selected = route(router, logits.float(), x.dtype)
+                out = one_token_experts(mlp.experts, x, selected, weights, shared=both)
             if self.routing is not None:
                 self.routing.append(selected)
-            out = one_token_experts(mlp.experts, x, selected, weights, shared=(g[0, n_exp:], lay.w_down))
             routed, shared = out[None, :-1], out[-1:]
         else:
+            shared = gemv.linear(triton_ops.act_mul(lay.act, g[:, n_exp:]), lay.w_down)
+            if fused:
+                weights, selected = fused_route(logits, router.e_score_correction_bias, router.top_k, x.dtype)
+            else:
+                weights, selected = route(router, logits.float(), x.dtype)  # (N, k) each
             routed = self._experts(mlp.experts, x, selected, weights)  # (N, k, H), or (N, H) already summed
         if routed.dim() == 2:
             routed = routed[:, None]
