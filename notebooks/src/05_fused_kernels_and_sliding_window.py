@@ -415,8 +415,11 @@ viz.step_time_figure(phases, taus=taus)
 # (FlashAttention with a window; the gate is Laguna's own). A decode token's products are one-row
 # GEMVs (`spec_decode.fast.gemv`): the routed experts read only their 8 chosen experts, one program per
 # (expert, column tile), and the dense projections beat cuBLAS at one row. The record prints what
-# the attention kernel saves against the masks + SDPA route; an H100 run of older code
-# (`benchmarks/xs2_steps_h100.json`) is printed beside it.
+# the attention kernel saves against the masks + SDPA route. An H100 run of newer code
+# (`benchmarks/xs2_steps_h100.json`) is printed beside it: there the router runs inside the routed
+# experts' gate/up launch, the attention's splits are merged by the last of them, and each kernel
+# starts while the previous one drains (programmatic dependent launch, `spec_decode.fast.pdl`), with
+# the same steps timed without that.
 
 # %%
 import statistics  # noqa: E402
@@ -435,13 +438,16 @@ fused = {t["block"]: t["ms"] for t in xs2["target"]}
 for o in xs2.get("target_sdpa_attention", []):  # the static path's attention kernel against masks + SDPA
     print(f"attention kernel ({xs2['device']}, same run): target {o['block']:>2} tokens {fused[o['block']]:.2f} ms, "
           f"with masks + SDPA {o['ms']:.2f} ms")
-other_run = XS2_STEPS.with_name("xs2_steps_h100.json")  # older code on another card
+other_run = XS2_STEPS.with_name("xs2_steps_h100.json")  # newer code on another card
 if other_run.exists():
     a = json.loads(other_run.read_text())
     at = f" at commit {a['code']}" if a.get("code") else ""
     print(f"the same steps on {a['device']}{at}, every static-path kernel on: "
-          + ", ".join(f"{t['block']} token(s) {t['ms']:.2f} ms" for t in a["target"])
+          + ", ".join(f"{t['block']} token(s) {t['ms']:.2f} ms ({t['over_floor']:.2f}x its floor there)"
+                      for t in a["target"])
           + "; drafter " + ", ".join(f"{t['block']}: {t['ms']:.2f} ms" for t in a["drafter"]))
+    for o in a.get("target_without_pdl", []):
+        print(f"  without programmatic dependent launch: {o['block']} token(s) {o['ms']:.2f} ms")
     other = poolside_table(a)
     print(f"Poolside's cards predicted from that run: median ratio predicted / published "
           f"{statistics.median(r['ratio_measured'] for r in other):.2f} (from the H200 record below: "
