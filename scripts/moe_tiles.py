@@ -47,19 +47,20 @@ def gemv_sweep(ex, x, weights, dev) -> dict:
     best = {}
     for proj, ks in (("gate_up", (512, 1024, 2048)), ("down", (256, 512))):
         default = dict(gemv.TILES[proj])
-        print(f"| {proj} block_n | block_k | warps | 1 token ms | x block path | max rel. diff |\n|---|---|---|---|---|---|")
+        print(f"| {proj} block_n | block_k | warps | pipe | 1 token ms | x block path | max rel. diff |\n"
+              "|---|---|---|---|---|---|---|")
         timed = []
-        for bn, bk, w in itertools.product((4, 8, 16), ks, (2, 4)):
-            gemv.TILES[proj] = dict(block_n=bn, block_k=bk, num_warps=w)
+        for bn, bk, w, pipe in itertools.product((4, 8, 16), ks, (2, 4), (False, True)):
+            gemv.TILES[proj] = dict(block_n=bn, block_k=bk, num_warps=w, pipe=pipe)
             try:
                 out = gemv_call(ex, x, sels[0], weights)[0].float()
                 ms = graphed_ms(lambda: calls(gemv_call), dev, reps=100) / LAYERS
             except Exception as e:  # a tile that does not compile or fit is reported, not fatal
-                print(f"| {bn} | {bk} | {w} | {type(e).__name__} | | |")
+                print(f"| {bn} | {bk} | {w} | {pipe} | {type(e).__name__} | | |")
                 continue
             diff = ((out - ref).abs().max() / ref.abs().max()).item()
             mark = " (default)" if gemv.TILES[proj] == default else ""
-            print(f"| {bn} | {bk} | {w} | {ms:.4f}{mark} | {ms / block_ms:.2f} | {diff:.1e} |", flush=True)
+            print(f"| {bn} | {bk} | {w} | {pipe} | {ms:.4f}{mark} | {ms / block_ms:.2f} | {diff:.1e} |", flush=True)
             timed.append((ms, dict(gemv.TILES[proj])))
         best[proj] = min(timed, key=lambda t: t[0])[1]
         gemv.TILES[proj] = best[proj]
@@ -108,19 +109,19 @@ def dense_sweep(dev) -> dict:
     step = lambda f: [f(xs[w.shape[1]], w) for layer in ws for w in layer]  # noqa: E731
     cublas = graphed_ms(lambda: step(torch.nn.functional.linear), dev, reps=100) / LAYERS
     print(f"dense shapes {shapes}: F.linear (cuBLAS) {cublas:.4f} ms a layer\n")
-    print("| dense block_n | block_k | warps | ms a layer | x cuBLAS | max rel. diff |\n|---|---|---|---|---|---|")
+    print("| dense block_n | block_k | warps | pipe | ms a layer | x cuBLAS | max rel. diff |\n|---|---|---|---|---|---|---|")
     ref = [torch.nn.functional.linear(xs[w.shape[1]], w).float() for w in ws[0]]
     gemv.DENSE, timed = True, []
-    for bn, bk, w in itertools.product((4, 8, 16), (512, 1024), (2, 4)):
-        gemv.TILES["dense"] = dict(block_n=bn, block_k=bk, num_warps=w)
+    for bn, bk, w, pipe in itertools.product((4, 8, 16), (512, 1024), (2, 4), (False, True)):
+        gemv.TILES["dense"] = dict(block_n=bn, block_k=bk, num_warps=w, pipe=pipe)
         try:
             outs = [gemv.linear(xs[wt.shape[1]], wt).float() for wt in ws[0]]
             ms = graphed_ms(lambda: step(gemv.linear), dev, reps=100) / LAYERS
         except Exception as e:  # a tile that does not compile or fit is reported, not fatal
-            print(f"| {bn} | {bk} | {w} | {type(e).__name__} | | |")
+            print(f"| {bn} | {bk} | {w} | {pipe} | {type(e).__name__} | | |")
             continue
         diff = max(((o - r).abs().max() / r.abs().max()).item() for o, r in zip(outs, ref))
-        print(f"| {bn} | {bk} | {w} | {ms:.4f} | {ms / cublas:.2f} | {diff:.1e} |", flush=True)
+        print(f"| {bn} | {bk} | {w} | {pipe} | {ms:.4f} | {ms / cublas:.2f} | {diff:.1e} |", flush=True)
         timed.append((ms, dict(gemv.TILES["dense"])))
     ms, best = min(timed, key=lambda t: t[0])
     gemv.TILES["dense"], gemv.DENSE = best, ms < cublas

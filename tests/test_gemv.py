@@ -24,11 +24,30 @@ for n, k in [(1, 5), (37, 300), (130, 1100), (8, 2049)]:
     y = gemv.linear(x, w)
     ref = F.linear(x, w)
     out[f"{n}x{k}"] = [list(y.shape) == list(ref.shape), ((y - ref).abs().max() / ref.abs().max()).item()]
-    for name, tile in gemv.TILES.items():  # every tile in use, not only the default's
-        saved = dict(gemv.TILES["dense"])
-        gemv.TILES["dense"] = tile
-        out[f"{n}x{k} {name}"] = [True, ((gemv.linear(x, w) - ref).abs().max() / ref.abs().max()).item()]
-        gemv.TILES["dense"] = saved
+    for name, tile in gemv.TILES.items():  # every tile in use, not only the default's, pipelined and not
+        for pipe in (False, True):
+            saved = dict(gemv.TILES["dense"])
+            gemv.TILES["dense"] = dict(tile, pipe=pipe)
+            err = ((gemv.linear(x, w) - ref).abs().max() / ref.abs().max()).item()
+            out[f"{n}x{k} {name} pipe={pipe}"] = [True, err]
+            gemv.TILES["dense"] = saved
+# the routed experts' gate/up (silu(gate) * up) and a scaled down, each pipelined and not, against torch
+E, n_out, k = 5, 24, 600
+wgu, wd = torch.randn(E, 2 * n_out, k, generator=g), torch.randn(E, 40, n_out, generator=g)
+a, expert, scale = torch.randn(2, k, generator=g), torch.tensor([3, 0, 4, 3]), torch.rand(4, generator=g)
+gu = torch.einsum("pk,pnk->pn", a.repeat_interleave(2, 0), wgu[expert])
+h_ref = torch.nn.functional.silu(gu[:, :n_out]) * gu[:, n_out:]
+d_ref = torch.einsum("pk,pnk->pn", h_ref, wd[expert]) * scale[:, None]
+for pipe in (False, True):
+    saved = {t: dict(gemv.TILES[t]) for t in ("gate_up", "down")}
+    for t in saved:
+        gemv.TILES[t]["pipe"] = pipe
+    h, d = torch.empty(4, n_out), torch.empty(4, 40)
+    gemv.pair_gemv(a, wgu, h, expert, None, 2, silu_mul=True, tile="gate_up")
+    gemv.pair_gemv(h_ref, wd, d, expert, scale, 1, tile="down")
+    out[f"gate_up pipe={pipe}"] = [True, ((h - h_ref).abs().max() / h_ref.abs().max()).item()]
+    out[f"down pipe={pipe}"] = [True, ((d - d_ref).abs().max() / d_ref.abs().max()).item()]
+    gemv.TILES.update(saved)
 x2, w2, b = torch.randn(3, 40, generator=g), torch.randn(24, 40, generator=g), torch.randn(24, generator=g)
 out["rows"] = [torch.equal(gemv.linear(x2, w2), F.linear(x2, w2)), 0.0]
 out["bias"] = [torch.equal(gemv.linear(x2[:1], w2, b), F.linear(x2[:1], w2, b)), 0.0]
@@ -47,7 +66,7 @@ def test_linear_in_the_triton_interpreter(interpreted):
     rows = interpreted(LINEAR_SCRIPT)
     for name, (ok, err) in rows.items():
         assert ok and err < 1e-5, (name, ok, err)
-    assert len(rows) == 4 * (1 + len(gemv.TILES)) + 3
+    assert len(rows) == 4 * (1 + 2 * len(gemv.TILES)) + 4 + 3
 
 
 def test_linear_is_f_linear_off_the_kernel():

@@ -51,8 +51,10 @@ import json, torch
 from dflash_lab.measure.launches import count_launches
 from dflash_lab.spec_decode.tree import best_first_tree, build_draft_tree
 from dflash_lab.spec_decode.fast.tree_build import beam_kernel
+from dflash_lab.spec_decode.fast.tree_accept import walk
+from dflash_lab.spec_decode.tree import accept_path
 g = torch.Generator().manual_seed(0)
-out = []
+out, walks = [], []
 for b, K, V, budget in [(2, 15, 4096, 16), (1, 15, 4096, 32), (3, 7, 300, 64), (1, 15, 4096, 128), (2, 4, 5, 16),
                         (1, 1, 50, 8), (1, 6, 40, 24)]:
     logits = torch.randn(b, K, V, generator=g) * 3
@@ -65,7 +67,28 @@ for b, K, V, budget in [(2, 15, 4096, 16), (1, 15, 4096, 32), (3, 7, 300, 64), (
     heap = sorted((d, t) for _, d, t in best_first_tree(torch.log_softmax(logits[0].float(), -1), budget))
     out.append([budget, K, same, heap == sorted(zip(got.depths[0].tolist(), got.token_ids[0].tolist())),
                 loop.total, one.total])
-print(json.dumps(out))
+    # the walk in one kernel (``tree_accept.walk``) against ``accept_path``, the target following a random node's
+    # prefix in each row; row 0 without a length limit, the others with a random one
+    N = got.num_nodes
+    choice = torch.randint(0, V, (b, N + 1), generator=g)
+    for r in range(b):
+        i = int(torch.randint(1, N + 1, (1,), generator=g))
+        while i > 0:
+            parent = int(got.parents[r, i - 1])
+            choice[r, parent] = got.token_ids[r, i - 1]
+            i = parent
+    max_depth = torch.randint(0, K + 1, (b,), generator=g)
+    max_depth[0] = K
+    drafts, argmax = torch.empty(b, K, dtype=torch.long), torch.empty(b, K + 1, dtype=torch.long)
+    with count_launches() as walked:
+        n, path = walk(got, choice, max_depth, drafts, argmax)
+    with count_launches() as reference:
+        rn, rpath, _ = accept_path(got, choice, max_depth=max_depth)
+    on_path = torch.arange(K) < rn[:, None]
+    rdrafts = torch.where(on_path, got.token_ids.gather(1, (rpath[:, 1:] - 1).clamp(min=0)), -1)
+    walks.append([torch.equal(n, rn) and torch.equal(path, rpath) and torch.equal(drafts, rdrafts)
+                  and torch.equal(argmax, choice.gather(1, rpath)), rn.tolist(), walked.total, reference.total])
+print(json.dumps({"beams": out, "walks": walks}))
 """
 
 
@@ -73,8 +96,13 @@ def test_the_one_kernel_beam_search_builds_the_same_trees(interpreted):
     """The fast path's beam search (``fast.tree_build``, Triton's CPU interpreter) against ``beam_loop``: the
     same nodes, parents, depths, weights and ancestors, the paper's heap set, at budgets 8 .. 128, a vocabulary
     smaller than the budget, one drafted depth, and a budget that is not a power of two (``beam_loop`` then);
-    a block of 16 builds in 42 launches fewer."""
-    rows = interpreted(BEAM_KERNEL_SCRIPT)
+    a block of 16 builds in 42 launches fewer. The accepted path's walk in one kernel (``fast.tree_accept``):
+    ``accept_path``'s n and path, the drafts and target choices the chain reads, in one launch."""
+    res = interpreted(BEAM_KERNEL_SCRIPT)
+    rows, walks = res["beams"], res["walks"]
+    assert all(same for same, _, _, _ in walks), walks
+    assert sum(max(n) for _, n, _, _ in walks) >= 10, walks  # paths were accepted, several deep
+    assert all(one == 1 < ref for _, _, one, ref in walks), walks
     assert all(same and heap for _, _, same, heap, _, _ in rows), rows
     for budget, K, _, _, loop, one in rows:
         fewer = 3 * (K - 1) if budget & (budget - 1) == 0 and K > 1 else 0  # 3 a depth and 2 stacks, against 2

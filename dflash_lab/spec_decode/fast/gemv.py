@@ -33,30 +33,55 @@ except ImportError:  # pragma: no cover - depends on the machine
 if triton is not None:
 
     @triton.jit
+    def _chunk(a_row, w_rows, k0, ks, cmask, K, N_OUT, stride_wn, SILU_MUL: tl.constexpr):
+        """One BLOCK_K chunk at k0: the row's slice (1, BLOCK_K) and its weights (and the up rows), float32."""
+        kmask = (k0 + ks) < K
+        m = cmask[:, None] & kmask[None, :]
+        w = tl.load(w_rows + k0 + ks[None, :], mask=m, other=0.0).to(tl.float32)
+        w_up = w
+        if SILU_MUL:
+            w_up = tl.load(w_rows + N_OUT * stride_wn + k0 + ks[None, :], mask=m, other=0.0).to(tl.float32)
+        a = tl.load(a_row + k0 + ks, mask=kmask, other=0.0).to(tl.float32)[None, :]
+        return a, w, w_up
+
+    @triton.jit
     def _pair_row(a_row, w_rows, cols, cmask, N_OUT, K, stride_wn, SILU_MUL: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, dt: tl.constexpr, WAIT: tl.constexpr):
+                  BLOCK_K: tl.constexpr, dt: tl.constexpr, WAIT: tl.constexpr, PIPE: tl.constexpr):
         """One row a (K,) times BLOCK_N weight rows (and, SILU_MUL, the up rows N_OUT further): float32 sums.
         The first chunk is peeled: its weights are loaded before a, and WAIT waits for the previous kernel
-        (``pdl.wait``) between the two, so under PDL the weights stream in while that kernel drains."""
+        (``pdl.wait``) between the two, so under PDL the weights stream in while that kernel drains. PIPE: each
+        iteration loads the next chunk before it multiplies the current one, so two chunks a program are in
+        flight (the loads are not used before the products of the chunk before them)."""
         ks = tl.arange(0, BLOCK_K)
         kmask = ks < K
         m = cmask[:, None] & kmask[None, :]
         w = tl.load(w_rows + ks[None, :], mask=m, other=0.0).to(tl.float32)
+        w_up = w
         if SILU_MUL:
             w_up = tl.load(w_rows + N_OUT * stride_wn + ks[None, :], mask=m, other=0.0).to(tl.float32)
         pdl.wait(WAIT)
         a = tl.load(a_row + ks, mask=kmask, other=0.0).to(tl.float32)[None, :]
-        acc = w * a
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        if SILU_MUL:
-            acc_up = w_up * a
-        for k0 in range(BLOCK_K, K, BLOCK_K):
-            kmask = (k0 + ks) < K
-            a = tl.load(a_row + k0 + ks, mask=kmask, other=0.0).to(tl.float32)[None, :]
-            m = cmask[:, None] & kmask[None, :]
-            acc += tl.load(w_rows + k0 + ks[None, :], mask=m, other=0.0).to(tl.float32) * a
+        if PIPE:
+            for k0 in range(BLOCK_K, K, BLOCK_K):
+                a_n, w_n, w_up_n = _chunk(a_row, w_rows, k0, ks, cmask, K, N_OUT, stride_wn, SILU_MUL)
+                acc += w * a
+                if SILU_MUL:
+                    acc_up += w_up * a
+                a, w, w_up = a_n, w_n, w_up_n
+            acc += w * a
             if SILU_MUL:
-                acc_up += tl.load(w_rows + N_OUT * stride_wn + k0 + ks[None, :], mask=m, other=0.0).to(tl.float32) * a
+                acc_up += w_up * a
+        else:
+            acc += w * a
+            if SILU_MUL:
+                acc_up += w_up * a
+            for k0 in range(BLOCK_K, K, BLOCK_K):
+                a, w, w_up = _chunk(a_row, w_rows, k0, ks, cmask, K, N_OUT, stride_wn, SILU_MUL)
+                acc += w * a
+                if SILU_MUL:
+                    acc_up += w_up * a
         y = tl.sum(acc, axis=1)
         if SILU_MUL:
             g = y.to(dt).to(tl.float32)
@@ -110,7 +135,7 @@ if triton is not None:
     def _pair_gemv_kernel(a_ptr, w_ptr, out_ptr, expert_ptr, scale_ptr, gu2_ptr, w2_ptr, P, N_OUT, K, K2, A_DIV,
                           stride_a, stride_we, stride_wn, stride_w2n, stride_out, HAS_SCALE: tl.constexpr,
                           SILU_MUL: tl.constexpr, EXTRA: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
+                          BLOCK_K: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr, PIPE: tl.constexpr,
                           logits_ptr=None, bias_ptr=None, wt_ptr=None, E=0, ROUTE: tl.constexpr = False,
                           TOP_K: tl.constexpr = 1, BLOCK_E: tl.constexpr = 1):
         """One (token, expert) pair p < P, one tile of output columns: out[p] = a[p // A_DIV] @ w[e]^T
@@ -143,20 +168,22 @@ if triton is not None:
                 w_e = w_ptr + tl.load(expert_ptr + p).to(tl.int64) * stride_we
             y = _pair_row(a_ptr + (p // A_DIV).to(tl.int64) * stride_a,
                           w_e + cols[:, None].to(tl.int64) * stride_wn, cols, cmask, N_OUT, K,
-                          stride_wn, SILU_MUL, BLOCK_N, BLOCK_K, dt, PREFETCH)
+                          stride_wn, SILU_MUL, BLOCK_N, BLOCK_K, dt, PREFETCH, PIPE)
             if HAS_SCALE:
                 y = y * tl.load(scale_ptr + p).to(tl.float32)
         tl.store(out_ptr + p.to(tl.int64) * stride_out + cols, y.to(dt), mask=cmask)
 
 
 # The tiles, one per use (the routed experts' gate/up reduces over the hidden size, their down over the expert
-# width; "dense" serves every ``linear``): output columns per program, reduced elements per iteration, warps.
-# ``scripts/moe_tiles.py --gemv`` times the choices at Laguna-XS.2's shape; these were the fastest on an H200
-# (``benchmarks/gemv_tiles_h200.md``): the routed experts' one token 0.0182 ms a layer against 0.0300 for the
-# 16-row block path, the dense projections of a layer 0.0302 ms against cuBLAS' 0.0383.
-TILES = {"gate_up": {"block_n": 8, "block_k": 512, "num_warps": 2},
-         "down": {"block_n": 16, "block_k": 256, "num_warps": 2},
-         "dense": {"block_n": 4, "block_k": 1024, "num_warps": 2}}
+# width; "dense" serves every ``linear``): output columns per program, reduced elements per iteration, warps,
+# and whether the next chunk is loaded before the current one is multiplied (pipe).
+# ``scripts/moe_tiles.py --gemv`` times the choices at Laguna-XS.2's shape; these were the fastest on an H100
+# (``benchmarks/gemv_tiles_h100.md``): the routed experts' one token 0.0207 ms a layer against 0.0320 for the
+# 16-row block path, the dense projections of a layer 0.0332 ms against cuBLAS' 0.0430 (the H200's earlier
+# choice, ``gemv_tiles_h200.md``, without the pipelined loop, ran them at 0.0482 ms there).
+TILES = {"gate_up": {"block_n": 4, "block_k": 1024, "num_warps": 2, "pipe": False},
+         "down": {"block_n": 8, "block_k": 256, "num_warps": 4, "pipe": False},
+         "dense": {"block_n": 4, "block_k": 1024, "num_warps": 4, "pipe": True}}
 # Whether ``linear`` takes one-row products from this kernel (True) or cuBLAS (False): the sweep above says
 # which is faster on a card (this kernel, by 1.27x, on the H200).
 DENSE = True
@@ -192,6 +219,7 @@ def pair_gemv(a, w, out, expert, scale, a_div: int, silu_mul: bool = False, tile
                             a_div, a.stride(0), w.stride(0), w.stride(1), w2.stride(0), out.stride(0),
                             HAS_SCALE=scale is not None, SILU_MUL=silu_mul, EXTRA=extra is not None,
                             BLOCK_N=t["block_n"], BLOCK_K=t["block_k"], num_warps=t["num_warps"],
+                            PIPE=t["pipe"],
                             PREFETCH=launch["PDL"] and single, **routing, **launch)
 
 

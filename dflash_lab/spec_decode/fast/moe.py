@@ -312,8 +312,9 @@ def fused_route(logits: torch.Tensor, bias: torch.Tensor, top_k: int, dtype: tor
 
 
 # Warps of a router program: its k rounds of max over E scores are reductions across the program's warps
-# (one warp: register shuffles only). Triton's default; ``scripts/moe_tiles.py --gemv`` times the choices.
-ROUTE_WARPS = 4
+# (one warp: register shuffles only). ``scripts/moe_tiles.py --gemv`` times the choices: one warp was the fastest
+# on an H100 (0.0025 ms a call against 0.0039 at four; ``benchmarks/gemv_tiles_h100.md``).
+ROUTE_WARPS = 1
 
 
 def kernel_runs(x: torch.Tensor) -> bool:
