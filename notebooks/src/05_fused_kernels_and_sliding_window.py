@@ -417,9 +417,10 @@ viz.step_time_figure(phases, taus=taus)
 # (expert, column tile), and the dense projections beat cuBLAS at one row. The record prints what
 # the attention kernel saves against the masks + SDPA route. An H100 run of newer code
 # (`benchmarks/xs2_steps_h100.json`) is printed beside it: there the router runs inside the routed
-# experts' gate/up launch, the attention's splits are merged by the last of them, and each kernel
-# starts while the previous one drains (programmatic dependent launch, `spec_decode.fast.pdl`), with
-# the same steps timed without that.
+# experts' gate/up launch, the attention's splits are merged by the last of them, each kernel
+# starts while the previous one drains (programmatic dependent launch, `spec_decode.fast.pdl`, with
+# the same steps timed without it), and the one-row kernel loads its next weight chunk before it
+# multiplies the current one, at tiles swept on that card (`benchmarks/gemv_tiles_h100.md`).
 
 # %%
 import statistics  # noqa: E402
