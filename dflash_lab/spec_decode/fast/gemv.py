@@ -45,6 +45,14 @@ if triton is not None:
         return a, w, w_up
 
     @triton.jit
+    def _fma(acc, acc_up, a, w, w_up, SILU_MUL: tl.constexpr):
+        """One chunk's products added to the sums (and the up rows' to theirs)."""
+        acc += w * a
+        if SILU_MUL:
+            acc_up += w_up * a
+        return acc, acc_up
+
+    @triton.jit
     def _pair_row(a_row, w_rows, cols, cmask, N_OUT, K, stride_wn, SILU_MUL: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr, dt: tl.constexpr, WAIT: tl.constexpr, PIPE: tl.constexpr):
         """One row a (K,) times BLOCK_N weight rows (and, SILU_MUL, the up rows N_OUT further): float32 sums.
@@ -63,25 +71,15 @@ if triton is not None:
         a = tl.load(a_row + ks, mask=kmask, other=0.0).to(tl.float32)[None, :]
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        if PIPE:
-            for k0 in range(BLOCK_K, K, BLOCK_K):
+        for k0 in range(BLOCK_K, K, BLOCK_K):  # the same sums in the same order; only where the next load goes
+            if PIPE:
                 a_n, w_n, w_up_n = _chunk(a_row, w_rows, k0, ks, cmask, K, N_OUT, stride_wn, SILU_MUL)
-                acc += w * a
-                if SILU_MUL:
-                    acc_up += w_up * a
-                a, w, w_up = a_n, w_n, w_up_n
-            acc += w * a
-            if SILU_MUL:
-                acc_up += w_up * a
-        else:
-            acc += w * a
-            if SILU_MUL:
-                acc_up += w_up * a
-            for k0 in range(BLOCK_K, K, BLOCK_K):
-                a, w, w_up = _chunk(a_row, w_rows, k0, ks, cmask, K, N_OUT, stride_wn, SILU_MUL)
-                acc += w * a
-                if SILU_MUL:
-                    acc_up += w_up * a
+                acc, acc_up = _fma(acc, acc_up, a, w, w_up, SILU_MUL)
+            else:
+                acc, acc_up = _fma(acc, acc_up, a, w, w_up, SILU_MUL)
+                a_n, w_n, w_up_n = _chunk(a_row, w_rows, k0, ks, cmask, K, N_OUT, stride_wn, SILU_MUL)
+            a, w, w_up = a_n, w_n, w_up_n
+        acc, acc_up = _fma(acc, acc_up, a, w, w_up, SILU_MUL)
         y = tl.sum(acc, axis=1)
         if SILU_MUL:
             g = y.to(dt).to(tl.float32)
