@@ -134,6 +134,7 @@ def main() -> int:
         print("needs CUDA", file=sys.stderr)
         return 1
     cfg, dev = SimpleNamespace(**LAGUNA_XS_2_FULL), torch.device("cuda")
+    print(f"{gemv.use_card_tiles(dev)}: the one-row kernel's tiles before the sweep {gemv.TILES}\n")
     E, H, I, k = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts_per_tok
     g = torch.Generator(device="cuda").manual_seed(0)
     ex = SimpleNamespace(gate_up_proj=torch.randn(E, 2 * I, H, device=dev, dtype=torch.bfloat16, generator=g) * .02,

@@ -87,3 +87,23 @@ def test_gpu_linear_compiled_in_bfloat16():
         x = torch.randn(1, k, device=dev, dtype=torch.bfloat16, generator=g)
         ref = torch.nn.functional.linear(x.float(), w.float())
         assert ((gemv.linear(x, w).float() - ref).abs().max() / ref.abs().max()).item() < 1e-2, (n, k)
+
+
+def test_a_card_with_its_own_sweep_gets_its_tiles_once_and_a_callers_tile_stays(monkeypatch):
+    """``use_card_tiles`` on an H200 (its name faked; no GPU needed): the tiles its sweep chose replace the
+    defaults, once per process, except a tile a caller had already set (a sweep, a test); off CUDA nothing."""
+    monkeypatch.setattr(gemv, "TILES", {k: dict(v) for k, v in gemv._DEFAULT_TILES.items()})
+    monkeypatch.setattr(gemv, "_CARD", [])
+    names = iter(["NVIDIA H200", "NVIDIA H100 80GB HBM3"])
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: next(names))
+    assert gemv.use_card_tiles(torch.device("cpu")) is None and gemv._CARD == []
+    mine = {"block_n": 16, "block_k": 128, "num_warps": 8, "pipe": True}
+    gemv.TILES["down"] = dict(mine)
+    assert gemv.use_card_tiles(torch.device("cuda")) == "NVIDIA H200"
+    h200 = gemv.CARD_TILES["H200"]
+    assert gemv.TILES["gate_up"] == h200["gate_up"] != gemv._DEFAULT_TILES["gate_up"]
+    assert gemv.TILES["dense"] == h200["dense"] and gemv.TILES["down"] == mine
+    assert gemv.use_card_tiles(torch.device("cuda:0")) == "NVIDIA H200"  # asked once: the H100 name is never read
+    gemv.TILES["dense"] = dict(gemv._DEFAULT_TILES["dense"])
+    gemv.use_card_tiles(torch.device("cuda"))
+    assert gemv.TILES["dense"] == gemv._DEFAULT_TILES["dense"]  # set again by a caller after the choice: kept

@@ -185,6 +185,26 @@ TILES = {"gate_up": {"block_n": 4, "block_k": 1024, "num_warps": 2, "pipe": Fals
 # Whether ``linear`` takes one-row products from this kernel (True) or cuBLAS (False): the sweep above says
 # which is faster on a card (this kernel, by 1.27x, on the H200).
 DENSE = True
+# Cards whose sweep chose other tiles (a substring of the CUDA device name -> its tiles): on the H200 the loop
+# without the next-chunk load won every projection (``benchmarks/gemv_tiles_h200.md``, at Laguna-XS.2's shape).
+CARD_TILES = {"H200": {"gate_up": {"block_n": 4, "block_k": 512, "num_warps": 4, "pipe": False},
+                       "down": {"block_n": 8, "block_k": 256, "num_warps": 4, "pipe": False},
+                       "dense": {"block_n": 4, "block_k": 1024, "num_warps": 2, "pipe": False}}}
+_DEFAULT_TILES = {k: dict(v) for k, v in TILES.items()}
+_CARD: list = []  # the card the tiles were chosen for, once a CUDA call asked
+
+
+def use_card_tiles(device: torch.device) -> str | None:
+    """Once per process, on CUDA: ``TILES`` takes this card's entry of ``CARD_TILES``, except where a caller has
+    already set a tile (a sweep, a test). Returns the device name (None off CUDA). ``pair_gemv`` calls it."""
+    if torch.device(device).type != "cuda":
+        return None
+    if not _CARD:
+        _CARD.append(torch.cuda.get_device_name(device))
+        for card, tiles in CARD_TILES.items():
+            if card in _CARD[0]:
+                TILES.update({k: dict(v) for k, v in tiles.items() if TILES[k] == _DEFAULT_TILES[k]})
+    return _CARD[0]
 
 
 def pair_gemv(a, w, out, expert, scale, a_div: int, silu_mul: bool = False, tile: str = "down",
@@ -210,6 +230,8 @@ def pair_gemv(a, w, out, expert, scale, a_div: int, silu_mul: bool = False, tile
         assert expert.dtype == torch.long and expert.is_contiguous() and wt.is_contiguous() and wt.numel() == P
         routing = dict(logits_ptr=logits, bias_ptr=bias, wt_ptr=wt, E=logits.shape[-1], ROUTE=True, TOP_K=P,
                        BLOCK_E=triton.next_power_of_2(logits.shape[-1]))
+    if a.is_cuda and not _CARD:
+        use_card_tiles(a.device)
     t = TILES[tile]
     launch = pdl.launch(a)
     grid = (out.shape[0], triton.cdiv(n_out, t["block_n"]))

@@ -19,7 +19,8 @@ policies run through the same loop, so they differ in nothing but admission.
 
 Between reads the host replays ceil(r / B) steps, r the fewest tokens any running request still
 has to emit: no request can end sooner (a step emits at most B tokens per row), so a row idles only
-after a stop token. Prompt lookup drafts on the host and reads back every step (``host_step``).
+after a stop token. A refill needs no read after it: the new rows' counts are their limits, the others'
+are the last read's, so the next burst is launched behind the refill and the device does not wait for the host. Prompt lookup drafts on the host and reads back every step (``host_step``).
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ class ServeRun:
     stats: SpecDecodeStats = field(repr=False)
     widths: dict[int, int] = field(default_factory=dict)  # step width (K + 1) -> batch steps run at it
     bursts: int = 0  # host decisions that launched steps: each follows a read of the rows' state
+    reads: int = 0  # reads of the rows' state from the device (none after a refill: the host knows it)
 
     @property
     def tokens(self) -> int:
@@ -88,7 +90,7 @@ class ServeRun:
         """``vllm bench serve``'s summary: throughputs, and mean / median / p99 of TTFT, TPOT and E2EL in ms."""
         out = {"policy": self.policy, "concurrency": self.concurrency, "requests": len(self.requests),
                "tokens": self.tokens, "seconds": round(self.seconds, 4), "batch_steps": self.steps,
-               "bursts": self.bursts, "fills": self.fills,
+               "bursts": self.bursts, "fills": self.fills, "reads": self.reads,
                "request_throughput": round(len(self.requests) / self.seconds, 3),
                "output_throughput": round(self.tokens / self.seconds, 1)}
         series = {"ttft": [r.first_token_s for r in self.requests],
@@ -137,7 +139,7 @@ def serve(decoder: FastDecoder, prompts, *, max_new_tokens, stop_token_ids=(), p
     admitted: dict[int, tuple] = {}  # request index -> (launched, its prefill's end: a device event on CUDA)
     seqs: dict[int, list[int]] = {}  # host drafting: live row -> its tokens
     done: list[tuple] = []  # (request, row, result, finished)
-    steps = fills = bursts = 0
+    steps = fills = bursts = reads = 0
     widths: dict[int, int] = {}  # step width -> batch steps run at it
     clock = _Clock(device)  # no sync for a first token's time: an event on CUDA
     stale = False  # host drafting: seqs behind the device after steps without drafts (a schedule's K = 0)
@@ -152,7 +154,7 @@ def serve(decoder: FastDecoder, prompts, *, max_new_tokens, stop_token_ids=(), p
             batch[b], limit[b], running[b] = p, limits[i], i
             free.discard(b)
         if not batch:
-            return
+            return {}
         launched = clock.host()
         if fills == 0:
             decoder.prefill(list(batch.values()), limit, stop_token_ids)  # rows 0 .. n-1, all reset
@@ -164,37 +166,53 @@ def serve(decoder: FastDecoder, prompts, *, max_new_tokens, stop_token_ids=(), p
             admitted[running[b]] = (launched, first)
         if host and not stale:
             seqs.update(decoder.host_rows(batch))
+        # the fewest tokens each new row has left (its limit, as ``FastDecoder._prefill`` sets it): known without a read
+        return {b: min(len(p) + limit[b] - 1, decoder.max_pos - 1) - len(p) for b, p in batch.items()}
 
     peek = _Peek(decoder, read_behind)  # on CUDA: the state one step behind, read while the next step runs
     admit(range(min(decoder.batch, len(waiting))))
+    floor: dict[int, int] | None = None  # row -> the fewest tokens it may have left, when known without a read
     while running:
         if host and not stale:
             finished = [b for b in running if b not in seqs]
+        elif floor is not None:  # nothing ran since the last read but a refill: no read, no wait for the refill
+            finished = []
         else:
             active, remaining = peek.read()  # a burst's last step may still run: remaining is then an upper bound
+            reads += 1
             finished = [b for b in running if not active[b]]
+            floor = {b: remaining[b] - peek.lag for b in running}
         if finished:
             now = clock.host()
             snap = decoder.snapshot(finished)  # copied back beside what follows; a refill may overwrite the rows
             ended = [(running.pop(b), b) for b in finished]
             free.update(finished)
+            filled = {}
             if not running or (policy == "continuous" and len(free) >= min(refill_at, len(waiting) or 1)):
-                admit(sorted(free))
+                filled = admit(sorted(free))
+            # the next burst is sized from what the host knows (the other rows' floors, the new rows' limits) and
+            # launched behind the refill at once; a new row whose first token was a stop token idles until the
+            # next read, as a row that stops inside a burst does
+            floor = {b: floor[b] for b in running if b not in filled} | filled if floor is not None else None
             for (i, b), result in zip(ended, decoder.results(finished, snap)):  # built while the refill runs
                 done.append((i, b, result, now))
+            if not floor:
+                floor = None
             continue
         width = width_for(len(running))
         if host and width > 1:
             if stale:
                 seqs, stale = decoder.live_tokens(running), False
             decoder.host_step(seqs, width)
-            k = 1
+            k, floor = 1, None
         else:  # drafted on the device, or no drafts at all: bursts without a read-back
             if host and not stale:  # coming from host drafting: how far each row still has to go
                 remaining = (decoder.limit - decoder.pos).tolist()
+                floor = {b: remaining[b] for b in running}
             stale = host
-            # the state read may miss the last step launched: up to ``peek.lag`` tokens a row
-            k = max(1, math.ceil((min(remaining[b] for b in running) - peek.lag) / width))
+            # the state read may miss the last step launched: floor is remaining less ``peek.lag`` tokens a row
+            k = max(1, math.ceil(min(floor[b] for b in running) / width))
+            floor = None  # the burst moves every row: the next decision reads the state
             step = decoder.step_at(width)
             for _ in range(k - 1):
                 step()
@@ -207,7 +225,7 @@ def serve(decoder: FastDecoder, prompts, *, max_new_tokens, stop_token_ids=(), p
     requests = sorted((Request(i, b, result, admitted[i][0], clock.resolve(admitted[i][1]), finished)
                        for i, b, result, finished in done), key=lambda r: r.index)
     return ServeRun(policy, decoder.batch, requests, seconds, steps, fills,
-                    sum((r.result.stats for r in requests), SpecDecodeStats()), widths, bursts)
+                    sum((r.result.stats for r in requests), SpecDecodeStats()), widths, bursts, reads)
 
 
 class _Peek:
