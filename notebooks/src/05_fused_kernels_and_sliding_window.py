@@ -415,12 +415,13 @@ viz.step_time_figure(phases, taus=taus)
 # (FlashAttention with a window; the gate is Laguna's own). A decode token's products are one-row
 # GEMVs (`spec_decode.fast.gemv`): the routed experts read only their 8 chosen experts, one program per
 # (expert, column tile), and the dense projections beat cuBLAS at one row. The record prints what
-# the attention kernel saves against the masks + SDPA route. An H100 run of newer code
-# (`benchmarks/xs2_steps_h100.json`) is printed beside it: there the router runs inside the routed
-# experts' gate/up launch, the attention's splits are merged by the last of them, each kernel
-# starts while the previous one drains (programmatic dependent launch, `spec_decode.fast.pdl`, with
-# the same steps timed without it), and the one-row kernel loads its next weight chunk before it
-# multiplies the current one, at tiles swept on that card (`benchmarks/gemv_tiles_h100.md`).
+# the attention kernel saves against the masks + SDPA route. In the committed run the router runs
+# inside the routed experts' gate/up launch, the attention's splits are merged by the last of them,
+# each kernel starts while the previous one drains (programmatic dependent launch,
+# `spec_decode.fast.pdl`, with the same steps timed without it), and the one-row kernel runs at the
+# tiles swept on that card (`gemv.CARD_TILES`, `benchmarks/gemv_tiles_h200.md`). An H100 run of the
+# same code (`benchmarks/xs2_steps_h100.json`) is printed beside it: there the loop that loads the next
+# weight chunk before it multiplies the current one won the sweep (`benchmarks/gemv_tiles_h100.md`).
 
 # %%
 import statistics  # noqa: E402
@@ -439,7 +440,7 @@ fused = {t["block"]: t["ms"] for t in xs2["target"]}
 for o in xs2.get("target_sdpa_attention", []):  # the static path's attention kernel against masks + SDPA
     print(f"attention kernel ({xs2['device']}, same run): target {o['block']:>2} tokens {fused[o['block']]:.2f} ms, "
           f"with masks + SDPA {o['ms']:.2f} ms")
-other_run = XS2_STEPS.with_name("xs2_steps_h100.json")  # newer code on another card
+other_run = XS2_STEPS.with_name("xs2_steps_h100.json")  # the same code on another card
 if other_run.exists():
     a = json.loads(other_run.read_text())
     at = f" at commit {a['code']}" if a.get("code") else ""

@@ -20,7 +20,8 @@ policies run through the same loop, so they differ in nothing but admission.
 Between reads the host replays ceil(r / B) steps, r the fewest tokens any running request still
 has to emit: no request can end sooner (a step emits at most B tokens per row), so a row idles only
 after a stop token. A refill needs no read after it: the new rows' counts are their limits, the others'
-are the last read's, so the next burst is launched behind the refill and the device does not wait for the host. Prompt lookup drafts on the host and reads back every step (``host_step``).
+are the last read's, so the next burst is launched behind the refill and the device does not wait for the
+host. Prompt lookup drafts on the host and reads back every step (``host_step``).
 """
 
 from __future__ import annotations
