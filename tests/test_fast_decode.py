@@ -97,7 +97,8 @@ def test_static_forward_matches_transformers_forward(small_pair, moe):
     torch.testing.assert_close(aux, ref.aux_hidden[:, 20:], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("proposer,block_size", [("dflash", 4), ("dflash", 8), ("ngram", 8), (None, 1)])
+@pytest.mark.parametrize("proposer,block_size", [("dflash", 4), ("dflash", 8), ("ngram", 8), ("ngram_gpu", 8),
+                                                   (None, 1)])
 def test_fast_path_is_the_eager_loop_token_for_token(small_pair, proposer, block_size):
     target, drafter = small_pair
     drafter = drafter if proposer == "dflash" else proposer
@@ -270,7 +271,7 @@ def _gpu_pair(dtype):
     return target, drafter, prompts
 
 
-RUNS = [("dflash", 4), ("dflash", 8), ("dflash", 16), ("ngram", 8), (None, 1)]
+RUNS = [("dflash", 4), ("dflash", 8), ("dflash", 16), ("ngram", 8), ("ngram_gpu", 8), (None, 1)]
 
 
 @pytest.mark.gpu
@@ -332,7 +333,7 @@ def test_gpu_a_step_never_waits_for_the_host():
 # ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("proposer", ["dflash", "ngram", None])
+@pytest.mark.parametrize("proposer", ["dflash", "ngram", "ngram_gpu", None])
 def test_continuous_batching_serves_every_request_as_if_it_ran_alone(small_pair, proposer):
     """Ten ragged requests through 3 rows: a finished row is refilled while the others go on. Every request's
     tokens are target.generate's and its counts the eager loop's; the static policy gives the same requests
@@ -386,7 +387,7 @@ def test_serve_refuses_what_it_cannot_run(small_pair):
         serve(dec, [torch.tensor(PROMPTS[0])], max_new_tokens=200)
 
 
-@pytest.mark.parametrize("proposer", ["dflash", "ngram"])
+@pytest.mark.parametrize("proposer", ["dflash", "ngram", "ngram_gpu"])
 def test_a_per_batch_schedule_drafts_the_k_vllm_reads_for_the_running_batch(small_pair, proposer):
     """vLLM 0.33's num_speculative_tokens_per_batch_size on the fast path: K by the number of running
     requests (here 3 running: K 1, fewer: K 7); outputs stay target.generate's, every draft is at most
@@ -396,7 +397,7 @@ def test_a_per_batch_schedule_drafts_the_k_vllm_reads_for_the_running_batch(smal
 
     target, drafter = small_pair
     drafter = drafter if proposer == "dflash" else proposer
-    k_full = 1 if proposer == "dflash" else 0  # prompt lookup: no drafts at all while 3 run (steps on the device)
+    k_full = 0 if proposer == "ngram" else 1  # host prompt lookup: no drafts at all while 3 run (device steps)
     schedule = SpeculationSchedule.from_config([[1, 2, 7], [3, 3, k_full]], max_batch=3, num_speculative_tokens=7)
     prompts = [torch.tensor(p * 3) for p in PROMPTS] * 2
     dec = FastDecoder(target, drafter, batch=3, block_size=8, capacity=64, cuda_graphs=False,
@@ -481,7 +482,7 @@ def test_serving_records_are_the_timing_records_with_vllm_bench_serves_latencies
     records = measure_serving(target, {"dflash": drafter}, prompts, concurrencies=(1, 2), block_sizes=(4,),
                               num_requests=5, max_new_tokens=6, cuda_graphs=False, progress=lambda s: None)
     runs = {(r["batch"], r["batching"], r["method"]) for r in records}
-    assert runs == {(c, b, m) for m in ("target_only", "dflash", "prompt_lookup") for c, b in
+    assert runs == {(c, b, m) for m in ("target_only", "dflash", "prompt_lookup", "prompt_lookup_gpu") for c, b in
                     ((1, "continuous"), (2, "continuous"), (2, "static"))}
     for r in records:
         assert r["outputs_equal_target_only"] == "5/5" and r["requests"] == 5 and len(r["request_steps"]) == 5
@@ -497,7 +498,7 @@ def test_serving_records_are_the_timing_records_with_vllm_bench_serves_latencies
     md = serving_markdown({"device": "cpu", "command": "c", "requests": 5, "max_new_tokens": 6,
                            "prompt_sets": ["heldout"], "records": records, "phases": {}})
     rows = [line for line in md.splitlines() if line.startswith("| 2 | static |")]
-    assert len(rows) == 3 and "| 1.00x |" in next(r for r in rows if "target_only" in r)
+    assert len(rows) == 4 and "| 1.00x |" in next(r for r in rows if "target_only" in r)
     from dflash_lab.measure.serving import time_split
 
     # the time split: batch steps at the phase-timed step, the rest outside; static runs and untimed blocks left out

@@ -13,7 +13,8 @@ Every record (``timing_record`` builds it, the keys in ``RECORD_KEYS``):
                          without it is a static one (``backend_of``)
     prompt_set           "heldout" or "docstring" (``PROMPT_SETS``); a record without it is a held-out one
     method               "target_only", "dflash" (the default drafter, the paper's), "dflash_poolside"
-                         (the Poolside-style drafter: sliding, causal), "prompt_lookup" (``METHODS``)
+                         (the Poolside-style drafter: sliding, causal), "prompt_lookup" (drafted on the host,
+                         vLLM's V1 rule) or "prompt_lookup_gpu" (on the device, vLLM 0.33's GPU rule) (``METHODS``)
     block_size           tokens verified per step: 1 for target-only, 1 real + block_size - 1 drafts otherwise
     batch, tokens_per_s, mean_acceptance_length (None for target-only), tokens, seconds,
     target_forwards_per_token, outputs_equal_target_only ("same/prompts", against target-only on the
@@ -46,7 +47,7 @@ from ..spec_decode.fast.decoder import PHASES, FastDecoder
 from ..spec_decode.schedule import Measurement
 from ..spec_decode.stats import SpecDecodeStats
 
-METHODS = ("target_only", "dflash", "dflash_poolside", "prompt_lookup")
+METHODS = ("target_only", "dflash", "dflash_poolside", "prompt_lookup", "prompt_lookup_gpu")
 PROMPT_SETS = ("heldout", "docstring")  # assets.heldout_prompts, assets.docstring_prompts, in report order
 BACKENDS = ("static", "eager", "serving", "tree")
 RECORD_KEYS = ("backend", "prompt_set", "method", "block_size", "batch", "tokens_per_s", "mean_acceptance_length",
@@ -90,7 +91,8 @@ def runs(block_sizes, methods=("dflash",)) -> list[tuple[str, int]]:
 
 
 def _proposer(method: str, drafters: dict):
-    return {"target_only": None, "prompt_lookup": "ngram"}.get(method, drafters.get(method))
+    return {"target_only": None, "prompt_lookup": "ngram", "prompt_lookup_gpu": "ngram_gpu"}.get(method,
+                                                                                      drafters.get(method))
 
 
 def _dtype(target) -> str:

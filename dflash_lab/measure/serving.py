@@ -32,6 +32,7 @@ from .decoding import EXTRA_KEYS, timing_record
 BATCHINGS = ("continuous", "static")
 CONCURRENCIES = (1, 8, 32, 64)  # the issue's and ``vllm bench serve``'s usual sweep
 NUM_REQUESTS = 128
+LOOKUP = {"prompt_lookup": "ngram", "prompt_lookup_gpu": "ngram_gpu"}  # host-drafted (V1) and device (V2)
 
 
 def request_stream(prompts, num_requests: int) -> list[torch.Tensor]:
@@ -60,7 +61,8 @@ def serving_methods(drafters: dict, block_sizes) -> list[tuple[str, object, int]
     ({"dflash": d, "dflash_poolside": d2})."""
     runs = [("target_only", None, 1)]
     runs += [(m, d, b) for m, d in drafters.items() for b in block_sizes]
-    return runs + [("prompt_lookup", "ngram", b) for b in block_sizes]
+    return runs + [(m, p, b) for m, p in (("prompt_lookup", "ngram"), ("prompt_lookup_gpu", "ngram_gpu"))
+                   for b in block_sizes]
 
 
 def measure_serving(target, drafters: dict, prompts, *, concurrencies=CONCURRENCIES, block_sizes=(16,),
@@ -84,7 +86,7 @@ def measure_serving(target, drafters: dict, prompts, *, concurrencies=CONCURRENC
     records, reference = [], {}
     for c in concurrencies:
         runs = [(m, d, b, None) for m, d, b in serving_methods(drafters, block_sizes)]
-        runs += [(m, {**drafters, "prompt_lookup": "ngram"}[m], max(s.ks) + 1, s) for m, s in (schedules or {}).items()]
+        runs += [(m, {**drafters, **LOOKUP}[m], max(s.ks) + 1, s) for m, s in (schedules or {}).items()]
         for method, drafter, block, schedule in runs:
             dec = FastDecoder(target, drafter, batch=c, block_size=block, capacity=capacity, cuda_graphs=cuda_graphs,
                               widths=[k + 1 for k in schedule.ks] if schedule else ())

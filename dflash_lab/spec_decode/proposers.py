@@ -4,7 +4,9 @@
                    the context K/V of every accepted position (``DFlashContext``);
                    the target's lm_head turns its hidden states into B-1 drafts
     prompt lookup  no model: copy what followed an earlier occurrence of the
-                   sequence's last n-gram (vLLM's ``ngram`` method)
+                   sequence's last n-gram (vLLM's ``ngram`` method); ``"ngram"`` as the CPU
+                   engine's V1 runner proposes, ``"ngram_gpu"`` as vLLM 0.33 drafts on a GPU
+                   (``spec_decode.ngram_gpu``: on the device, inside the fast path's graph)
     no drafter     ``drafter=None`` everywhere: nothing is proposed, so the loop is plain
                    greedy decoding with the same overheads
 
@@ -35,6 +37,7 @@ from ..config import DEFAULT_BLOCK_SIZE
 from ..drafter import DFlashLagunaDrafter
 from ..runtime import first_parameter, is_int
 from .fast.static_drafter import StaticDrafter
+from .ngram_gpu import ngram_gpu_drafts
 
 # ---------------------------------------------------------------------------
 # The interface
@@ -58,6 +61,7 @@ class Proposer:
     layer_ids: tuple[int, ...] = ()  # target layers whose hidden states ``extend`` reads
     proposes = True  # False: never drafts (the fast path then verifies x_t alone, block 1)
     drafts_from_model = False  # True: a Proposal carries the drafter's logits (sampling can draw drafts from q)
+    drafts_on_device = False  # True: the fast path drafts it in its graphed step (``ngram_gpu``), not on the host
 
     def check_target(self, target) -> None:
         """Refuse a target the proposer cannot draft for (a model-free proposer fits any)."""
@@ -258,6 +262,24 @@ class PromptLookupDrafter(Proposer):
         return prompt_lookup(tokens, num_draft, self.prompt_lookup_min, self.prompt_lookup_max)
 
 
+@dataclass(frozen=True)
+class PromptLookupGPUDrafter(PromptLookupDrafter):
+    """Prompt lookup as vLLM 0.33 drafts it on a GPU (the V2 runner's ``NgramGPUSpeculator``, for ``method``
+    "ngram" and "ngram_gpu" alike; ``spec_decode.ngram_gpu``): the longest n-gram's rightmost match, and always
+    ``num_draft`` drafts, the last token repeated where the sequence has no more. The fast path drafts it inside
+    its graphed step; the eager loop through ``propose``."""
+
+    kind = "ngram_gpu"
+    drafts_on_device = True
+
+    def propose(self, tokens: list[int], num_draft: int) -> list[int]:
+        if not tokens or num_draft <= 0:
+            return []
+        t = torch.tensor([tokens])
+        return ngram_gpu_drafts(t, torch.tensor([len(tokens)]), t[:, -1], min_n=self.prompt_lookup_min,
+                                max_n=self.prompt_lookup_max, k=num_draft)[0].tolist()
+
+
 class NoDrafter(Proposer):
     """``drafter=None``: proposes nothing, so every step verifies x_t alone (plain decoding through
     the same loop, the fair baseline). The fast path runs it at block 1."""
@@ -296,7 +318,7 @@ class CustomProposer(_Wrapper):
 # The one gate every backend passes its ``drafter`` argument through
 # ---------------------------------------------------------------------------
 
-DRAFTER_KINDS = "a DFlashLagunaDrafter, 'ngram', None or a proposer"  # prompt lookup, no drafter, propose()
+DRAFTER_KINDS = "a DFlashLagunaDrafter, 'ngram', 'ngram_gpu', None or a proposer"  # prompt lookup, no drafter, ...
 
 
 def resolve_drafter(drafter) -> Proposer:
@@ -311,9 +333,9 @@ def resolve_drafter(drafter) -> Proposer:
     if drafter is None:
         return NoDrafter()
     if isinstance(drafter, str):
-        if drafter != "ngram":
+        if drafter not in ("ngram", "ngram_gpu"):
             raise ValueError(f"drafter must be {DRAFTER_KINDS}, got {drafter!r}")
-        return PromptLookupDrafter()
+        return PromptLookupDrafter() if drafter == "ngram" else PromptLookupGPUDrafter()
     if isinstance(drafter, DFlashLagunaDrafter):
         return DFlashProposer(drafter)
     if callable(getattr(drafter, "propose", None)):

@@ -23,7 +23,8 @@ from pathlib import Path
 from ..assets import load_pair, pair_fingerprint
 from ..measure.decoding import PROMPT_SETS, drafter_methods, measurements_from_record
 from ..measure.decoding import phase_breakdown
-from ..measure.serving import BATCHINGS, CONCURRENCIES, NUM_REQUESTS, best_blocks, measure_serving, request_stream
+from ..measure.serving import (BATCHINGS, CONCURRENCIES, LOOKUP, NUM_REQUESTS, best_blocks, measure_serving,
+                               request_stream)
 from ..runtime import device_name, resolve_device
 from ..spec_decode.schedule import SpeculationSchedule, recommend_schedule
 from .bench_common import OUT_HELP, pair_out_dir, write_results
@@ -131,7 +132,7 @@ def serving(args) -> int:
                                 num_requests=requests, max_new_tokens=max_new, prompt_set=s,
                                 batchings=BATCHINGS if args.batching == "both" else (args.batching,),
                                 refill_at=parse_refill_at(args.refill_at), read_behind=args.read_behind,
-                                schedules=schedules_from(args.schedule_from, s, list(methods) + ["prompt_lookup"],
+                                schedules=schedules_from(args.schedule_from, s, [*methods, *LOOKUP],
                                                          max(concurrencies)),
                                 progress=lambda line: print(line, flush=True), on_record=on_record)
         result["records"] = list(done)

@@ -11,7 +11,8 @@ import plotly.graph_objects as go
 from dflash_lab.viz.common import PALETTE, titled
 
 BATCHING_DASH = {"continuous": "solid", "static": "dot"}
-COLORS = {"dflash": PALETTE["blue"], "dflash_poolside": PALETTE["green"], "prompt_lookup": PALETTE["orange"]}
+COLORS = {"dflash": PALETTE["blue"], "dflash_poolside": PALETTE["green"], "prompt_lookup": PALETTE["orange"],
+          "prompt_lookup_gpu": PALETTE["red"]}
 
 
 def straggler_figure(request_steps, concurrency: int, *, title: str | None = None) -> go.Figure:

@@ -14,7 +14,7 @@ from plotly.subplots import make_subplots
 from dflash_lab.viz.common import PALETTE, method_color, titled
 
 METHOD_LABELS = {"dflash": "DFlash", "dflash_poolside": "DFlash (Poolside-style drafter)",
-                 "prompt_lookup": "prompt lookup",
+                 "prompt_lookup": "prompt lookup", "prompt_lookup_gpu": "prompt lookup (drafted on the device)",
                  "target_only": "plain greedy"}
 # phase key -> (label, colour), in the order a step runs them
 PHASE_STYLE = {

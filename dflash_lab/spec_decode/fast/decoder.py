@@ -33,7 +33,8 @@ Nothing is read back inside the loop: the host replays ceil(remaining / B) steps
 (no sequence can finish sooner, as a step emits at most B tokens), then reads how
 many tokens remain (on CUDA while the burst's last step still runs), and repeats.
 Prompt lookup drafts on the host from the tokens so far, so its loop reads back
-every step (as vLLM's ngram proposer does).
+every step (as the V1 runner's ngram proposer does); ``"ngram_gpu"`` drafts inside the step
+from ``tokens`` (``spec_decode.ngram_gpu``, as vLLM 0.33 does on a GPU) and reads nothing back.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ from .accept import accept_step
 from .cuda_graphs import GraphedStep, new_pool
 from ..loop import SpecDecodeResult
 from ..proposers import check_block_size, resolve_drafter
+from ..ngram_gpu import ngram_gpu_drafts
 from ..sampling import greedy_accept_batch
 from .static_target import StaticTarget, round_up
 from ..stats import SpecDecodeStats
@@ -89,7 +91,8 @@ class FastDecoder:
                                 moe=moe)
         # the drafter on the device (DFlash), else the host-side proposer (prompt lookup, or any propose())
         self.dft = proposer.device_session(target, batch=batch, capacity=capacity + slack, block_size=block_size)
-        self.lookup = proposer if proposer.proposes and self.dft is None else None
+        self.lookup = proposer if proposer.proposes and self.dft is None and not proposer.drafts_on_device else None
+        self.ngram = proposer if proposer.drafts_on_device else None  # prompt lookup drafted in the step
         self.capacity = capacity
         self.max_pos = target.config.max_position_embeddings  # a sequence ends there, as on the eager loop
         z = lambda *s, dt=torch.long: torch.zeros(s, dtype=dt, device=self.device)  # noqa: E731
@@ -159,7 +162,11 @@ class FastDecoder:
         self.block_pos.copy_(self.pos[:, None] + self.offsets)
         if self.dft is not None and width > 1:
             self.drafts[:, :width - 1].copy_(self.dft.draft(self.last, self.pos, self.B)[:, :width - 1])
-        if self.dft is not None:
+        if self.ngram is not None and width > 1:  # vLLM's NgramGPUSpeculator: K drafts from the row's own tokens
+            g = self.ngram
+            self.drafts[:, :width - 1].copy_(ngram_gpu_drafts(self.tokens, self.pos + 1, self.last, k=width - 1,
+                                                              min_n=g.prompt_lookup_min, max_n=g.prompt_lookup_max))
+        if self.dft is not None or self.ngram is not None:
             # drafts at positions below max_position_embeddings only (vLLM's scheduler, the eager loop)
             torch.clamp(self.max_pos - 1 - self.pos, min=0, max=width - 1, out=self.n_draft)
 
