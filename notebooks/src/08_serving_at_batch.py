@@ -229,6 +229,13 @@ if lookup.num_speculative_tokens:
 # prompt lookup below target-only, by not running it. DFlash keeps its longest block at every
 # measured concurrency on this record.
 #
+# The prompt lookup in these records drafts on the host and reads every row back each step, as the
+# V1 model runner (and the CPU engine) does. On a GPU vLLM 0.33 runs the V2 model runner, which drafts
+# `method="ngram"` on the device (`NgramGPUSpeculator`: the longest n-gram's rightmost match, always K
+# drafts). The lab's `drafter="ngram_gpu"` is that rule inside the fast path's graphed step
+# (`benchmarks/spec_decode_serving_ngram_gpu.md`, an H100: 1.28x target-only at 8 where the host's
+# rule gives 0.83x, still below target-only from 32 on).
+#
 # ## Answer
 
 # %%
