@@ -568,10 +568,10 @@ BAD_ARGS = [
     ("negative-max-new-tokens", dict(max_new_tokens=-3), ValueError, r"max_new_tokens must be a non-negative integer"),
     ("negative-seed", dict(seed=-1), ValueError, r"seed must be None or a non-negative integer"),
     ("stop-outside-vocab", dict(stop_token_ids=[512]), ValueError, r"stop_token_ids must be token ids in \[0, 512\)"),
-    ("unknown-drafter-name", dict(drafter="eagle"), ValueError, r"drafter must be a DFlashLagunaDrafter, 'ngram', None or a proposer, got 'eagle'"),
+    ("unknown-drafter-name", dict(drafter="eagle"), ValueError, r"drafter must be a DFlashLagunaDrafter, 'ngram', 'ngram_gpu', None or a proposer, got 'eagle'"),
     ("unknown-draft-sample-method", dict(draft_sample_method="typical"), ValueError,
      r"draft_sample_method must be one of \['greedy', 'probabilistic'\].*got 'typical'"),
-    ("not-a-drafter", dict(drafter=object()), TypeError, r"drafter must be a DFlashLagunaDrafter, 'ngram', None or a proposer"),
+    ("not-a-drafter", dict(drafter=object()), TypeError, r"drafter must be a DFlashLagunaDrafter, 'ngram', 'ngram_gpu', None or a proposer"),
 ]
 
 

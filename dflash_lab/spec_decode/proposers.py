@@ -37,7 +37,7 @@ from ..config import DEFAULT_BLOCK_SIZE
 from ..drafter import DFlashLagunaDrafter
 from ..runtime import first_parameter, is_int
 from .fast.static_drafter import StaticDrafter
-from .ngram_gpu import ngram_gpu_drafts
+from .ngram_gpu import check_ngram_sizes, ngram_gpu_drafts
 
 # ---------------------------------------------------------------------------
 # The interface
@@ -250,13 +250,9 @@ class PromptLookupDrafter(Proposer):
     kind = "ngram"
 
     def __post_init__(self):
-        for name in ("prompt_lookup_min", "prompt_lookup_max", "block_size"):
-            v = getattr(self, name)
-            if not is_int(v) or v < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
-        if self.prompt_lookup_min > self.prompt_lookup_max:
-            raise ValueError(f"prompt_lookup_min={self.prompt_lookup_min} must be "
-                             f"<= prompt_lookup_max={self.prompt_lookup_max}")
+        check_ngram_sizes(self.prompt_lookup_min, self.prompt_lookup_max)
+        if not is_int(self.block_size) or self.block_size < 1:
+            raise ValueError(f"block_size must be an integer >= 1, got {self.block_size!r}")
 
     def propose(self, tokens: list[int], num_draft: int) -> list[int]:
         return prompt_lookup(tokens, num_draft, self.prompt_lookup_min, self.prompt_lookup_max)

@@ -194,11 +194,10 @@ def serve(decoder: FastDecoder, prompts, *, max_new_tokens, stop_token_ids=(), p
             # the next burst is sized from what the host knows (the other rows' floors, the new rows' limits) and
             # launched behind the refill at once; a new row whose first token was a stop token idles until the
             # next read, as a row that stops inside a burst does
-            floor = {b: floor[b] for b in running if b not in filled} | filled if floor is not None else None
+            if floor is not None:
+                floor = {b: floor[b] for b in running if b not in filled} | filled or None
             for (i, b), result in zip(ended, decoder.results(finished, snap)):  # built while the refill runs
                 done.append((i, b, result, now))
-            if not floor:
-                floor = None
             continue
         width = width_for(len(running))
         if host and width > 1:
