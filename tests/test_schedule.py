@@ -226,9 +226,10 @@ def spec_config_module():
 def test_the_ngram_json_builds_vllms_speculative_config(vllm_dynamic, record):
     vc = spec_config_module()
     rec = recommend_schedule(measurements_from_record(record, "prompt_lookup"))
-    text = speculative_config_json("ngram", None, None, rec.schedule, prompt_lookup_min=2, prompt_lookup_max=5)
-    sc = vc.SpeculativeConfig(**json.loads(text))  # what `vllm serve --speculative-config` builds (no target needed)
-    assert sc.method == "ngram" and sc.num_speculative_tokens == rec.num_speculative_tokens
+    for method in ("ngram_gpu", "ngram"):  # vLLM 0.33 takes both (on a GPU its V2 runner drafts both on the device)
+        text = speculative_config_json(method, None, None, rec.schedule, prompt_lookup_min=2, prompt_lookup_max=5)
+        sc = vc.SpeculativeConfig(**json.loads(text))  # what `vllm serve --speculative-config` builds (no target)
+        assert sc.method == method and sc.num_speculative_tokens == rec.num_speculative_tokens
     assert sc.uses_dynamic_speculative_decoding()
     dense = vllm_dynamic.build_dynamic_sd_schedule_lookup(sc.num_speculative_tokens_per_batch_size, 32,
                                                           sc.num_speculative_tokens)
@@ -283,7 +284,7 @@ def test_the_dflash_json_builds_vllms_speculative_config_against_the_shipped_tar
     (("dflash", "d", None, [(1, 8, 0)]), "never speculate"),
     (("dflash", None, None, [(1, 8, 3)]), "needs model"),
     (("ngram", "d", None, [(1, 8, 3)]), "model must be None"),
-    (("eagle", "d", None, [(1, 8, 3)]), "method must be 'dflash' or 'ngram'"),
+    (("eagle", "d", None, [(1, 8, 3)]), "method must be 'dflash', 'ngram' or 'ngram_gpu'"),
     (("dflash", "d", None, [(2, 8, 3)]), "must start at 1"),
 ])
 def test_the_json_writer_refuses_configs_vllm_would_misread(args, match):

@@ -267,10 +267,11 @@ def speculative_config_json(method: str, model: str | None, num_speculative_toke
                             prompt_lookup_min: int | None = None, prompt_lookup_max: int | None = None) -> str:
     """The ``--speculative-config`` JSON for ``vllm serve`` with this schedule.
 
-    method "dflash" needs the drafter's path as model; "ngram" (prompt lookup) takes none and
-    prompt_lookup_min/max. num_speculative_tokens must be the schedule's largest K (None: take it):
-    vLLM silently caps a larger K to it, and sizes drafting for it. vLLM needs it > 0, so a schedule
-    that never speculates is an error: serve without --speculative-config.
+    method "dflash" needs the drafter's path as model; "ngram" or "ngram_gpu" (prompt lookup; on a GPU
+    vLLM 0.33 drafts both on the device, ``spec_decode.ngram_gpu``) takes none and prompt_lookup_min/max.
+    num_speculative_tokens must be the schedule's largest K (None: take it): vLLM silently caps a larger K
+    to it, and sizes drafting for it. vLLM needs it > 0, so a schedule that never speculates is an error:
+    serve without --speculative-config.
     """
     ranges = validate_schedule(schedule)
     top = max(k for _, _, k in ranges)
@@ -289,9 +290,9 @@ def speculative_config_json(method: str, model: str | None, num_speculative_toke
         if prompt_lookup_min is not None or prompt_lookup_max is not None:
             raise ValueError("prompt_lookup_min/max are ngram settings; method 'dflash' takes none")
         config["model"] = model
-    elif method == "ngram":
+    elif method in ("ngram", "ngram_gpu"):
         if model is not None:
-            raise ValueError(f"method 'ngram' drafts from the sequence itself: model must be None, got {model!r}")
+            raise ValueError(f"method {method!r} drafts from the sequence itself: model must be None, got {model!r}")
         for name, v in (("prompt_lookup_min", prompt_lookup_min), ("prompt_lookup_max", prompt_lookup_max)):
             if v is not None and (not is_int(v) or v < 1):
                 raise ValueError(f"{name} must be an integer >= 1, got {v!r}")
@@ -300,7 +301,7 @@ def speculative_config_json(method: str, model: str | None, num_speculative_toke
         config.update({name: v for name, v in (("prompt_lookup_min", prompt_lookup_min),
                                                ("prompt_lookup_max", prompt_lookup_max)) if v is not None})
     else:
-        raise ValueError(f"method must be 'dflash' or 'ngram' (the lab's two vLLM methods), got {method!r}")
+        raise ValueError(f"method must be 'dflash', 'ngram' or 'ngram_gpu' (the lab's vLLM methods), got {method!r}")
     config["num_speculative_tokens"] = num_speculative_tokens
     config[_FIELD] = [list(r) for r in ranges]
     return json.dumps(config)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from ..assets import DRAFTERS
 from ..measure.decoding import drafter_methods, measurements_from_record, records_of
+from ..measure.serving import LOOKUP
 from ..runtime import DEFAULT_TARGET, REPO_ROOT
 from ..spec_decode.proposers import PromptLookupDrafter
 from ..spec_decode.schedule import BASES, SWITCHES, format_recommendation, recommend_schedule, speculative_config_json
@@ -23,7 +24,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m dflash_lab.tools.recommend_schedule", description=__doc__.split(
         "\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--record", type=Path, required=True, help="a spec-decode benchmark record (JSON)")
-    parser.add_argument("--method", required=True, help="dflash, dflash_<drafter> or prompt_lookup")
+    parser.add_argument("--method", required=True, help="dflash, dflash_<drafter>, prompt_lookup or prompt_lookup_gpu")
     parser.add_argument("--prompt-set", default="heldout", help="whose rows to use (default: heldout)")
     parser.add_argument("--basis", choices=BASES, default="auto",
                         help="measured tokens/s, or batch * tau / step time (auto: measured when present)")
@@ -57,8 +58,8 @@ def main(argv=None) -> None:
         path = Path(path).resolve()
         return str(path.relative_to(REPO_ROOT)) if path.is_relative_to(REPO_ROOT) else str(path)
 
-    if args.method == "prompt_lookup":
-        text = speculative_config_json("ngram", None, None, rec.schedule,
+    if args.method in LOOKUP:
+        text = speculative_config_json(LOOKUP[args.method], None, None, rec.schedule,
                                        prompt_lookup_min=PromptLookupDrafter.prompt_lookup_min,
                                        prompt_lookup_max=PromptLookupDrafter.prompt_lookup_max)
     else:
