@@ -48,6 +48,7 @@ from ..spec_decode.schedule import Measurement
 from ..spec_decode.stats import SpecDecodeStats
 
 METHODS = ("target_only", "dflash", "dflash_poolside", "prompt_lookup", "prompt_lookup_gpu")
+LOOKUP = {"prompt_lookup": "ngram", "prompt_lookup_gpu": "ngram_gpu"}  # host-drafted (V1) and device (V2)
 PROMPT_SETS = ("heldout", "docstring")  # assets.heldout_prompts, assets.docstring_prompts, in report order
 BACKENDS = ("static", "eager", "serving", "tree")
 RECORD_KEYS = ("backend", "prompt_set", "method", "block_size", "batch", "tokens_per_s", "mean_acceptance_length",
@@ -91,8 +92,7 @@ def runs(block_sizes, methods=("dflash",)) -> list[tuple[str, int]]:
 
 
 def _proposer(method: str, drafters: dict):
-    return {"target_only": None, "prompt_lookup": "ngram", "prompt_lookup_gpu": "ngram_gpu"}.get(method,
-                                                                                      drafters.get(method))
+    return {"target_only": None, **LOOKUP}.get(method, drafters.get(method))
 
 
 def _dtype(target) -> str:

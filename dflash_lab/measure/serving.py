@@ -27,12 +27,11 @@ import torch
 
 from ..spec_decode.fast.decoder import FastDecoder
 from ..spec_decode.fast.serving import serve
-from .decoding import EXTRA_KEYS, timing_record
+from .decoding import EXTRA_KEYS, LOOKUP, timing_record
 
 BATCHINGS = ("continuous", "static")
 CONCURRENCIES = (1, 8, 32, 64)  # the issue's and ``vllm bench serve``'s usual sweep
 NUM_REQUESTS = 128
-LOOKUP = {"prompt_lookup": "ngram", "prompt_lookup_gpu": "ngram_gpu"}  # host-drafted (V1) and device (V2)
 
 
 def request_stream(prompts, num_requests: int) -> list[torch.Tensor]:
@@ -61,8 +60,7 @@ def serving_methods(drafters: dict, block_sizes) -> list[tuple[str, object, int]
     ({"dflash": d, "dflash_poolside": d2})."""
     runs = [("target_only", None, 1)]
     runs += [(m, d, b) for m, d in drafters.items() for b in block_sizes]
-    return runs + [(m, p, b) for m, p in (("prompt_lookup", "ngram"), ("prompt_lookup_gpu", "ngram_gpu"))
-                   for b in block_sizes]
+    return runs + [(m, p, b) for m, p in LOOKUP.items() for b in block_sizes]
 
 
 def measure_serving(target, drafters: dict, prompts, *, concurrencies=CONCURRENCIES, block_sizes=(16,),

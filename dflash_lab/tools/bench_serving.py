@@ -21,10 +21,9 @@ import json
 from pathlib import Path
 
 from ..assets import load_pair, pair_fingerprint
-from ..measure.decoding import PROMPT_SETS, drafter_methods, measurements_from_record
+from ..measure.decoding import LOOKUP, PROMPT_SETS, drafter_methods, measurements_from_record
 from ..measure.decoding import phase_breakdown
-from ..measure.serving import (BATCHINGS, CONCURRENCIES, LOOKUP, NUM_REQUESTS, best_blocks, measure_serving,
-                               request_stream)
+from ..measure.serving import BATCHINGS, CONCURRENCIES, NUM_REQUESTS, best_blocks, measure_serving, request_stream
 from ..runtime import device_name, resolve_device
 from ..spec_decode.schedule import SpeculationSchedule, recommend_schedule
 from .bench_common import OUT_HELP, pair_out_dir, write_results

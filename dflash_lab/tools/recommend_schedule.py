@@ -13,8 +13,7 @@ import json
 from pathlib import Path
 
 from ..assets import DRAFTERS
-from ..measure.decoding import drafter_methods, measurements_from_record, records_of
-from ..measure.serving import LOOKUP
+from ..measure.decoding import LOOKUP, drafter_methods, measurements_from_record, records_of
 from ..runtime import DEFAULT_TARGET, REPO_ROOT
 from ..spec_decode.proposers import PromptLookupDrafter
 from ..spec_decode.schedule import BASES, SWITCHES, format_recommendation, recommend_schedule, speculative_config_json
