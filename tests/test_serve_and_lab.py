@@ -110,12 +110,14 @@ def read_until(process: subprocess.Popen, marker: str, timeout_s: float) -> list
 
 
 STAND_IN = textwrap.dedent("""
-    import http.server, subprocess, sys
+    import http.server, socketserver, subprocess, sys
     port = int(sys.argv[sys.argv.index("--port") + 1])
     sleeper = [sys.executable, "-c", "import time; time.sleep(600)"]
     subprocess.Popen([sys.executable, "-c", f"import subprocess, time; subprocess.Popen({sleeper!r}); time.sleep(600)"])
 
     class Health(http.server.BaseHTTPRequestHandler):
+        timeout = 5  # a connection that never sends its request is dropped, not waited on forever
+
         def do_GET(self):
             self.send_response(200)
             self.end_headers()
@@ -124,7 +126,13 @@ STAND_IN = textwrap.dedent("""
         def log_message(self, *args):
             pass
 
-    http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
+    class Server(http.server.ThreadingHTTPServer):
+        # a thread per connection: one stalled probe cannot hold the ones queued behind it; and no
+        # socket.getfqdn() in the bind (HTTPServer's own asks the resolver, which may hang on a machine offline)
+        daemon_threads = True
+        server_bind = socketserver.TCPServer.server_bind
+
+    Server(("127.0.0.1", port), Health).serve_forever()
 """)
 
 
