@@ -3,9 +3,11 @@
 One sparse layer's routed experts alone, graphed (``bench_xs2_steps.moe_layer_diagnostics``'s setting). The
 block GEMM for 1 and 16 tokens, at each (block_n, block_k, num_warps, num_stages) below; with --gemv the
 one-token GEMV kernel at each (block_n, block_k, num_warps), beside the block GEMM running the same token as
-the decode step ran it before (one 16-row block per chosen expert). Needs CUDA.
+the decode step ran it before (one 16-row block per chosen expert); with --dense each one-row shape of a token
+(``gemv.linear``: qkv, o_proj, router | shared, the dense layer) over its own tiles, and the residual tail's
+warps. Needs CUDA.
 
-    python scripts/moe_tiles.py [--gemv]
+    python scripts/moe_tiles.py [--gemv | --dense]
 """
 
 import itertools
@@ -129,6 +131,110 @@ def dense_sweep(dev) -> dict:
     return best
 
 
+def xs2_dense_shapes(cfg) -> dict[tuple[int, int], str]:
+    """The one-row products of a Laguna-XS.2 token that ``gemv.linear`` serves: (rows, columns) of each weight ->
+    the projections of that shape."""
+    H, hd, nkv, I_s = cfg.hidden_size, cfg.head_dim, cfg.num_key_value_heads, cfg.shared_expert_intermediate_size
+    roles = []
+    for h in sorted(set(cfg.num_attention_heads_per_layer), reverse=True):  # q | k | v | per-head gate, o_proj
+        roles += [(f"qkv+gate, {h} heads", (h * hd + 2 * nkv * hd + h, H)), (f"o_proj, {h} heads", (H, h * hd))]
+    roles += [("router | shared gate | up", (cfg.num_experts + 2 * I_s, H)),
+              ("dense layer gate | up", (2 * cfg.intermediate_size, H)),
+              ("dense layer down", (H, cfg.intermediate_size))]
+    shapes: dict[tuple[int, int], str] = {}
+    for role, shape in roles:
+        shapes[shape] = f"{shapes[shape]}; {role}" if shape in shapes else role
+    return shapes
+
+
+def dense_tiles(block_ns=(1, 2, 4, 8), block_ks=(256, 512, 1024, 2048), warps=(1, 2, 4, 8), most=128):
+    """The tiles the per-shape sweep tries: at most ``most`` float32 sums a thread (more spill registers)."""
+    return [dict(block_n=bn, block_k=bk, num_warps=w, pipe=False)
+            for bn, bk, w in itertools.product(block_ns, block_ks, warps) if 4 <= bn * bk // (32 * w) <= most]
+
+
+def shape_sweep(dev) -> dict:
+    """Each one-row shape of a Laguna-XS.2 token (``xs2_dense_shapes``) alone, LAYERS copies a graph, over
+    ``dense_tiles`` (and the pipelined loop at the best three), beside the shared "dense" tile and cuBLAS; sets
+    ``gemv.TILES["dense NxK"]`` where a tile beats the shared one, and returns those entries."""
+    cfg = SimpleNamespace(**LAGUNA_XS_2_FULL)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    gemv.DENSE, found, shared = True, {}, dict(gemv.TILES["dense"])
+    total = {"cuBLAS": 0.0, "shared tile": 0.0, "own tile": 0.0}
+    for (n, k), role in xs2_dense_shapes(cfg).items():
+        ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16, generator=g) * .02 for _ in range(LAYERS)]
+        x = torch.randn(1, k, device=dev, dtype=torch.bfloat16, generator=g)
+        ref = torch.nn.functional.linear(x, ws[0]).float()
+        cublas = graphed_ms(lambda: [torch.nn.functional.linear(x, w) for w in ws], dev, reps=100) / LAYERS
+        name = f"dense {n}x{k}"
+        print(f"{role}: {n} x {k}, {n * k * 2 / 1e6:.1f} MB; cuBLAS {cublas * 1e3:.2f} us\n")
+        print("| block_n | block_k | warps | pipe | us | x cuBLAS | GB/s | max rel. diff |\n"
+              "|---|---|---|---|---|---|---|---|")
+        timed = []
+
+        def run(tile, mark=""):
+            gemv.TILES[name] = tile
+            try:
+                diff = ((gemv.linear(x, ws[0]).float() - ref).abs().max() / ref.abs().max()).item()
+                ms = graphed_ms(lambda: [gemv.linear(x, w) for w in ws], dev, reps=100) / LAYERS
+            except Exception as e:  # a tile that does not compile or fit is reported, not fatal
+                print(f"| {tile['block_n']} | {tile['block_k']} | {tile['num_warps']} | {tile['pipe']} | "
+                      f"{type(e).__name__} | | | |")
+                return
+            print(f"| {tile['block_n']} | {tile['block_k']} | {tile['num_warps']} | {tile['pipe']} | "
+                  f"{ms * 1e3:.2f}{mark} | {ms / cublas:.2f} | {n * k * 2 / ms / 1e6:.0f} | {diff:.1e} |", flush=True)
+            timed.append((ms, dict(tile)))
+
+        run(dict(shared), " (shared)")
+        at_shared = timed[0][0] if timed else float("inf")
+        for tile in dense_tiles():
+            if tile != shared:
+                run(tile)
+        for _, tile in sorted(timed, key=lambda t: t[0])[:3]:
+            run(dict(tile, pipe=True))
+        ms, best = min(timed, key=lambda t: t[0])
+        if ms < at_shared:
+            gemv.TILES[name] = found[name] = best
+        else:
+            del gemv.TILES[name]
+        total["cuBLAS"] += cublas
+        total["shared tile"] += at_shared
+        total["own tile"] += min(ms, at_shared)
+        print(f"\n{role}: best {best}, {ms * 1e3:.2f} us (shared tile {at_shared * 1e3:.2f}, cuBLAS "
+              f"{cublas * 1e3:.2f})\n")
+    print("one of each shape, us: " + ", ".join(f"{k} {v * 1e3:.2f}" for k, v in total.items()) + "\n")
+    print(f"per-shape tiles for gemv.CARD_TILES: {found}\n")
+    return found
+
+
+def residual_sweep(dev) -> int:
+    """``residual``'s tail kernel at XS.2's width over its warps: LAYERS sparse tails (8 expert outputs, the
+    shared expert's) and LAYERS dense ones a graph; sets and returns the fastest."""
+    from dflash_lab.spec_decode.fast import residual
+
+    cfg = SimpleNamespace(**LAGUNA_XS_2_FULL)
+    H, k = cfg.hidden_size, cfg.num_experts_per_tok
+    g = torch.Generator(device="cuda").manual_seed(4)
+    r = lambda *shape: torch.randn(*shape, device=dev, dtype=torch.bfloat16, generator=g)  # noqa: E731
+    norm = torch.nn.RMSNorm(H, eps=1e-6, device=dev, dtype=torch.bfloat16)
+    hs, outs, shared = [r(1, 1, H) for _ in range(LAYERS)], [r(1, k, H) for _ in range(LAYERS)], r(1, 1, H)
+
+    def tails():
+        for h, o in zip(hs, outs):
+            h2, x = residual.experts_add_norm(h, o, 2.5, shared, norm)
+            residual.add_norm(h2, x, norm)
+
+    timed = []
+    for w in (1, 2, 4, 8, 16):
+        residual.WARPS = w
+        ms = graphed_ms(tails, dev, reps=100) / LAYERS
+        print(f"residual tails (a sparse and a dense), {w} warp(s): {ms * 1e3:.2f} us a layer", flush=True)
+        timed.append((ms, w))
+    residual.WARPS = min(timed)[1]
+    print(f"best residual warps: {residual.WARPS}\n")
+    return residual.WARPS
+
+
 def main() -> int:
     if not torch.cuda.is_available():
         print("needs CUDA", file=sys.stderr)
@@ -147,6 +253,10 @@ def main() -> int:
         selected = torch.stack([torch.randperm(E, generator=cpu)[:k] for _ in range(n)]).to(dev)
         cases[n] = (torch.randn(n, H, device=dev, dtype=torch.bfloat16, generator=g), selected,
                     torch.rand(n, k, generator=cpu).to(dev, torch.bfloat16))
+    if "--dense" in sys.argv[1:]:
+        shape_sweep(dev)
+        residual_sweep(dev)
+        return 0
     if "--gemv" in sys.argv[1:]:
         gemv_sweep(ex, cases[1][0], cases[1][2], dev)
         return 0

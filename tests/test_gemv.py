@@ -58,6 +58,15 @@ gemv.linear(x2[:1], w2)
 gemv.DENSE = False
 gemv.linear(x2[:1], w2)
 out["kernel calls with DENSE on, then off"] = [calls == [1], 0.0]
+# a shape with its own tile ("dense NxK", as a card's sweep sets them) takes it; another shape keeps "dense"
+gemv.DENSE, tiles = True, []
+gemv.pair_gemv = lambda *a, **kw: tiles.append(kw["tile"]) or real(*a, **kw)
+gemv.TILES["dense 37x300"] = {"block_n": 2, "block_k": 64, "num_warps": 1, "pipe": False}
+for n, k in [(37, 300), (130, 1100)]:
+    w, x = torch.randn(n, k, generator=g), torch.randn(1, k, generator=g)
+    ref = F.linear(x, w)
+    out[f"{n}x{k} by shape"] = [True, ((gemv.linear(x, w) - ref).abs().max() / ref.abs().max()).item()]
+out["tiles looked up by shape"] = [tiles == ["dense 37x300", "dense"], 0.0]
 print(json.dumps(out))
 """
 
@@ -66,7 +75,7 @@ def test_linear_in_the_triton_interpreter(interpreted):
     rows = interpreted(LINEAR_SCRIPT)
     for name, (ok, err) in rows.items():
         assert ok and err < 1e-5, (name, ok, err)
-    assert len(rows) == 4 * (1 + 2 * len(gemv.TILES)) + 4 + 3
+    assert len(rows) == 4 * (1 + 2 * len(gemv.TILES)) + 4 + 3 + 3
 
 
 def test_linear_is_f_linear_off_the_kernel():
@@ -107,3 +116,16 @@ def test_a_card_with_its_own_sweep_gets_its_tiles_once_and_a_callers_tile_stays(
     gemv.TILES["dense"] = dict(gemv._DEFAULT_TILES["dense"])
     gemv.use_card_tiles(torch.device("cuda"))
     assert gemv.TILES["dense"] == gemv._DEFAULT_TILES["dense"]  # set again by a caller after the choice: kept
+    for name in h200:  # a card's per-shape tiles arrive with it, and a shape's tile a caller set stays
+        if name.startswith("dense "):
+            n, k = map(int, name[len("dense "):].split("x"))
+            assert gemv.dense_tile(n, k) == name and gemv.TILES[name] == h200[name]
+    assert gemv.dense_tile(3, 5) == "dense"
+    monkeypatch.setattr(gemv, "_CARD", [])
+    monkeypatch.setattr(gemv, "TILES", {k: dict(v) for k, v in gemv._DEFAULT_TILES.items()})
+    monkeypatch.setitem(gemv.CARD_TILES["H200"], "dense 3x5", {"block_n": 1, "block_k": 8, "num_warps": 1,
+                                                               "pipe": False})
+    gemv.TILES["dense 3x5"] = dict(mine)
+    names = iter(["NVIDIA H200"])
+    gemv.use_card_tiles(torch.device("cuda"))
+    assert gemv.TILES["dense 3x5"] == mine and gemv.dense_tile(3, 5) == "dense 3x5"

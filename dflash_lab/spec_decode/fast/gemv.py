@@ -194,16 +194,25 @@ _DEFAULT_TILES = {k: dict(v) for k, v in TILES.items()}
 _CARD: list = []  # the card the tiles were chosen for, once a CUDA call asked
 
 
+def dense_tile(n: int, k: int) -> str:
+    """The tile ``linear`` uses for a weight of n rows and k columns: "dense NxK" where ``TILES`` has that shape
+    (a sweep found it its own tile: ``scripts/moe_tiles.py --dense``), else the shared "dense"."""
+    name = f"dense {n}x{k}"
+    return name if name in TILES else "dense"
+
+
 def use_card_tiles(device: torch.device) -> str | None:
-    """Once per process, on CUDA: ``TILES`` takes this card's entry of ``CARD_TILES``, except where a caller has
-    already set a tile (a sweep, a test). Returns the device name (None off CUDA). ``pair_gemv`` calls it."""
+    """Once per process, on CUDA: ``TILES`` takes this card's entry of ``CARD_TILES`` (per-shape "dense NxK"
+    entries included), except where a caller has already set a tile (a sweep, a test). Returns the device name
+    (None off CUDA). ``pair_gemv`` calls it."""
     if torch.device(device).type != "cuda":
         return None
     if not _CARD:
         _CARD.append(torch.cuda.get_device_name(device))
         for card, tiles in CARD_TILES.items():
             if card in _CARD[0]:
-                TILES.update({k: dict(v) for k, v in tiles.items() if TILES[k] == _DEFAULT_TILES[k]})
+                TILES.update({k: dict(v) for k, v in tiles.items()
+                              if TILES.get(k, _DEFAULT_TILES.get(k)) == _DEFAULT_TILES.get(k)})
     return _CARD[0]
 
 
@@ -263,5 +272,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     if key not in _EXPERT0:  # made before a graph is captured (the first call is eager), read ever after
         _EXPERT0[key] = torch.zeros(1, dtype=torch.long, device=x.device)
     out = torch.empty(1, w.shape[0], device=x.device, dtype=x.dtype)
-    pair_gemv(x.reshape(1, K), w.unsqueeze(0), out, _EXPERT0[key], None, 1, tile="dense", single=True)
+    if x.is_cuda and not _CARD:  # the card's per-shape tiles are known before one is looked up
+        use_card_tiles(x.device)
+    pair_gemv(x.reshape(1, K), w.unsqueeze(0), out, _EXPERT0[key], None, 1, tile=dense_tile(w.shape[0], K),
+              single=True)
     return out.view(*x.shape[:-1], w.shape[0])

@@ -61,6 +61,11 @@ if triton is not None:
         tl.store(x_out_ptr + n * D + cols, (w * (hf * rstd).to(dt).to(tl.float32)).to(dt), mask=m)
 
 
+# Warps of the tail kernel (one program a row); None: 4 up to a 2048-wide row, else 8. ``scripts/moe_tiles.py
+# --dense`` times the choices at Laguna-XS.2's shape.
+WARPS: int | None = None
+
+
 def _rows(t: torch.Tensor, D: int) -> torch.Tensor:
     t = t.reshape(-1, D)
     return t if t.stride(-1) == 1 else t.contiguous()
@@ -76,7 +81,7 @@ def _launch(h, d, shared, scale: float, norm, k: int):
     if n:
         _residual_norm_kernel[(n,)](h2, d2, s2, norm.weight, h_out, x_out, D, h2.stride(0), d2.stride(0),
                                     s2.stride(0), float(scale), triton_ops.norm_eps(norm), K=k,
-                                    BLOCK_D=triton.next_power_of_2(D), num_warps=4 if D <= 2048 else 8,
+                                    BLOCK_D=triton.next_power_of_2(D), num_warps=WARPS or (4 if D <= 2048 else 8),
                                     **pdl.launch(h))
     return h_out.view(shape), x_out.view(shape)
 
