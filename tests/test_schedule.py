@@ -17,7 +17,7 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 import pytest  # noqa: E402
 
 from dflash_lab.runtime import DEFAULT_DRAFTER, REPO_ROOT  # noqa: E402
-from dflash_lab.measure.decoding import measurements_from_record  # noqa: E402
+from dflash_lab.measure.decoding import BATCHINGS, measurements_from_record, records_of  # noqa: E402
 from dflash_lab.spec_decode.schedule import (  # noqa: E402
     Measurement, SpeculationSchedule, recommend_schedule, schedule_lookup, speculative_config_json, validate_schedule,
 )
@@ -306,3 +306,35 @@ def test_the_command_prints_the_table_the_json_and_where_the_record_was_measured
         assert r["device"] in out and r["measured"] in out  # both runs of the record are named
     for start, end, k in rec.schedule:
         assert any(line.split()[:2] == [f"{start}-{end}", str(k)] for line in out.splitlines())
+
+
+SERVING_RECORD = REPO_ROOT / "benchmarks" / "spec_decode_serving_continuous.json"
+
+
+def test_a_record_of_both_batchings_gives_the_continuous_rows_unless_told(capsys):
+    """A serving record holds every (batch, K) twice, static and continuous, and rows run under a schedule:
+    the schedule is read from the continuous rows by default (as a server batches), the static ones on request,
+    never from scheduled rows; the command says which rows it read."""
+    record = json.loads(SERVING_RECORD.read_text())
+    by = {b: [r for r in record["records"] if r["batching"] == b and r["method"] in ("dflash", "target_only")
+              and records_of([r], "heldout")] for b in BATCHINGS}
+    assert all(by.values())
+    for batching in (None, "continuous", "static"):
+        rows = measurements_from_record(record, "dflash", batching=batching)
+        want = by[batching or "continuous"]
+        assert sorted((m.batch, m.k, m.tokens_per_s) for m in rows) == sorted(
+            (r["batch"], r["block_size"] - 1, r["tokens_per_s"]) for r in want)
+    scheduled = dict(by["continuous"][-1], schedule=[[1, 64, 3]], tokens_per_s=1e9)
+    assert measurements_from_record({"records": [*record["records"], scheduled]}, "dflash") == \
+        measurements_from_record(record, "dflash")
+    with pytest.raises(ValueError, match="batching must be one of"):
+        measurements_from_record(record, "dflash", batching="dynamic")
+    with pytest.raises(ValueError, match="no 'static' rows"):
+        measurements_from_record({"records": by["continuous"]}, "dflash", batching="static")
+    for batching in ("continuous", "static"):
+        main(["--record", str(SERVING_RECORD), "--method", "dflash", "--batching", batching])
+        out = capsys.readouterr().out
+        assert f"{batching} batching" in out.splitlines()[0]
+        rec = recommend_schedule(measurements_from_record(record, "dflash", batching=batching))
+        text = out.split("--speculative-config '", 1)[1].split("'", 1)[0]
+        assert [tuple(r) for r in json.loads(text)["num_speculative_tokens_per_batch_size"]] == rec.schedule

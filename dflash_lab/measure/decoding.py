@@ -338,15 +338,35 @@ def whole_step_seconds(decoder: FastDecoder, replays: int = 64) -> float:
     return (synchronized_time(decoder.device) - t0) / replays
 
 
-def measurements_from_record(record: dict, method: str, *, prompt_set: str = "heldout",
-                             cuda_graphs: bool = True) -> list[Measurement]:
-    """``method`` 's and target-only's rows of a spec-decode record, as Measurements (K = block size - 1)."""
+BATCHINGS = ("continuous", "static")
+
+
+def record_batching(record: dict, batching: str | None = None) -> str | None:
+    """The batching whose rows a schedule is read from: ``batching`` when given ("continuous" or "static"),
+    else "continuous" where the record has such rows (a server batches continuously), else None (every row:
+    a record from before the serving benchmark, of static batches only)."""
+    if batching is not None and batching not in BATCHINGS:
+        raise ValueError(f"batching must be one of {BATCHINGS} or None, got {batching!r}")
+    have = {r.get("batching") for r in record.get("records", [])}
+    if batching is not None and batching not in have:
+        raise ValueError(f"the record has no {batching!r} rows (its batchings: {sorted(map(str, have))})")
+    return batching or ("continuous" if "continuous" in have else None)
+
+
+def measurements_from_record(record: dict, method: str, *, prompt_set: str = "heldout", cuda_graphs: bool = True,
+                             batching: str | None = None) -> list[Measurement]:
+    """``method`` 's and target-only's rows of a spec-decode record, as Measurements (K = block size - 1).
+
+    batching: as ``record_batching`` (a record of both holds two rows of every (batch, K)). Rows served
+    under a per-batch schedule are left out: their K changed with the batch."""
+    batching = record_batching(record, batching)
     rows = [r for r in records_of(record.get("records", []), prompt_set)
-            if r["method"] in (method, "target_only") and bool(r.get("cuda_graphs")) == cuda_graphs]
+            if r["method"] in (method, "target_only") and bool(r.get("cuda_graphs")) == cuda_graphs
+            and (batching is None or r.get("batching") == batching) and r.get("schedule") is None]
     if not any(r["method"] == method for r in rows):
         known = sorted({r["method"] for r in record.get("records", [])} - {"target_only"})
-        raise ValueError(f"no {method!r} rows on the {prompt_set!r} prompts with cuda_graphs={cuda_graphs} in the "
-                         f"record; its methods: {known}")
+        raise ValueError(f"no {method!r} rows on the {prompt_set!r} prompts with cuda_graphs={cuda_graphs}"
+                         + (f" and {batching} batching" if batching else "") + f" in the record; its methods: {known}")
     return [Measurement(batch=r["batch"], k=r["block_size"] - 1, step_ms=r.get("ms_per_batch_step"),
                         tau=None if r["method"] == "target_only" else r.get("mean_acceptance_length"),
                         tokens_per_s=r.get("tokens_per_s")) for r in rows]

@@ -86,11 +86,10 @@ def schedules_from(path, prompt_set: str, methods, max_batch: int) -> dict | Non
     if path is None:
         return None
     record = json.loads(Path(path).read_text())
-    rows = [r for r in record["records"] if r.get("batching") == "continuous" and r.get("schedule") is None]
     out = {}
     for method in methods:
         try:
-            ms = measurements_from_record({"records": rows}, method, prompt_set=prompt_set)
+            ms = measurements_from_record(record, method, prompt_set=prompt_set, batching="continuous")
         except ValueError:
             continue  # a method the record does not hold
         rec = recommend_schedule(ms, max_batch=max_batch)

@@ -13,7 +13,8 @@ import json
 from pathlib import Path
 
 from ..assets import DRAFTERS
-from ..measure.decoding import LOOKUP, drafter_methods, measurements_from_record, records_of
+from ..measure.decoding import (BATCHINGS, LOOKUP, drafter_methods, measurements_from_record, record_batching,
+                                records_of)
 from ..runtime import DEFAULT_TARGET, REPO_ROOT
 from ..spec_decode.proposers import PromptLookupDrafter
 from ..spec_decode.schedule import BASES, SWITCHES, format_recommendation, recommend_schedule, speculative_config_json
@@ -29,23 +30,28 @@ def main(argv=None) -> None:
                         help="measured tokens/s, or batch * tau / step time (auto: measured when present)")
     parser.add_argument("--switch", choices=SWITCHES, default="log_midpoint",
                         help="where K changes between measured batch sizes")
+    parser.add_argument("--batching", choices=BATCHINGS,
+                        help="whose rows to use where a record holds both (default: continuous where present)")
     parser.add_argument("--max-batch", type=int, help="the server's max_num_seqs (default: largest measured)")
     parser.add_argument("--model", help="the drafter path to write (default: the shipped drafter of --method)")
     args = parser.parse_args(argv)
 
     record = json.loads(args.record.read_text())
     try:
-        rows = measurements_from_record(record, args.method, prompt_set=args.prompt_set)
+        batching = record_batching(record, args.batching)
+        rows = measurements_from_record(record, args.method, prompt_set=args.prompt_set, batching=batching)
         rec = recommend_schedule(rows, max_batch=args.max_batch, basis=args.basis, switch=args.switch)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from None
     used = [r for r in records_of(record["records"], args.prompt_set)
-            if r["method"] in (args.method, "target_only") and r.get("cuda_graphs")]
+            if r["method"] in (args.method, "target_only") and r.get("cuda_graphs")
+            and (batching is None or r.get("batching") == batching)]
     def when(rows) -> str:
         return "; ".join(f"{d}, {t}" for d, t in sorted({(r.get("device", "?"), r.get("measured", "?")) for r in rows}))
 
     sets = sorted({r.get("prompt_set") or "heldout" for r in record["records"]} - {args.prompt_set})
-    print(f"{args.method} on the {args.prompt_set} prompts of {args.record}, CUDA graphs on; switch: {rec.switch}")
+    print(f"{args.method} on the {args.prompt_set} prompts of {args.record}, CUDA graphs on"
+          + (f", {batching} batching" if batching else "") + f"; switch: {rec.switch}")
     print(f"measured on {when(used)}" + "".join(f"; the record's {s} rows on {when(records_of(record['records'], s))}"
                                              for s in sets))
     print(format_recommendation(rec) + "\n")
