@@ -277,7 +277,8 @@ def xs2_steps_markdown(r: dict) -> str:
         "40 layers, 1 full : 3 sliding, dense first layer, 256 experts top-8, heads 48 full / 64 sliding); routed "
         f"experts: `{r['moe']}`. Drafter: `presets.LAGUNA_XS_21_DFLASH` (5 sliding layers, 64 heads), sharing the "
         "target's embedding and lm_head; its step = one draft of the block + the context K/V of the block's positions.",
-        "", f"Floor = the bytes the step must read (`measure.step_bytes`) / bandwidth: 4.8 TB/s (datasheet) and "
+        "", "Floor = the bytes the step must read (`measure.step_bytes`) / bandwidth: 4.8 TB/s (the H200's datasheet, "
+        "one reference whatever the card) and "
         f"{bw:.2f} TB/s (a device-to-device copy measured in the same run)."
         + (f" Measured at commit {r['code']}." if r.get("code") else ""), "",
         "| step | tokens | measured ms | floor ms @4.8 TB/s | floor ms @copy | measured / floor@copy | GB read "
