@@ -43,6 +43,19 @@ for name, drafter in (("paper", paper), ("poolside", poolside)):
         "equal_generate": torch.equal(tree.output_ids[0], ref),
         "counters": [[tree.stats.num_drafts, tree.stats.num_accepted_tokens],
                      [eager_tree.stats.num_drafts, eager_tree.stats.num_accepted_tokens]]}
+# the residual tails inside their one-row producers (``residual.IN_PRODUCER``): a target-only step at batch 1 is
+# a one-row forward (so is a drafter's step where a schedule gives it K = 0; that runs outside CI: minutes here)
+from dflash_lab.measure.launches import count_launches
+from dflash_lab.spec_decode.fast import residual
+from dflash_lab.spec_decode.fast.serving import serve
+residual.IN_PRODUCER = True
+with count_launches() as c:
+    run = serve(FastDecoder(target, None, batch=1, block_size=16, capacity=64, cuda_graphs=False), [prompt],
+                max_new_tokens=3)
+residual.IN_PRODUCER = False
+out["in_producer"] = {"equal": torch.equal(run.requests[0].result.output_ids[0], ref[:len(prompt) + 3]),
+                      "tail_launches": c.by_name.get("triton._residual_norm_kernel", 0), "steps": run.steps,
+                      "widths": run.widths, "layers": target.config.num_hidden_layers}
 for switch in ("1", "0"):
     os.environ["DFLASH_LAB_FUSED"] = switch
     dec = FastDecoder(target, paper, batch=1, block_size=16, capacity=128, cuda_graphs=False)
@@ -67,5 +80,9 @@ def test_kernels_on_are_lossless_and_launch_fewer_kernels_per_phase(interpreted)
     assert {"_route_kernel", "_align_kernel", "_block_gemm_kernel", "_residual_norm_kernel",
             "_qk_rope_write_kernel", "_gated_attention_kernel"} <= set(on["verify"][2])
     assert on["accept"][0] == 1 and on["accept"][2] == ["_accept_kernel"], f"accept: {on['accept']}"
+    tails = out["in_producer"]  # only the prefill's tails launched: every one-row step ran them in its GEMVs
+    assert tails["equal"], "the tails in their producers changed the tokens"
+    assert tails["steps"] == 2 and tails["widths"] == {"1": 2}, tails
+    assert tails["tail_launches"] == 2 * tails["layers"], tails
     for phase, (_, syncs, _) in on.items():
         assert syncs == 0, f"{phase} reads a device value on the host {syncs} times"

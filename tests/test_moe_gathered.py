@@ -174,6 +174,22 @@ with torch.no_grad():
                         (aux - ref.aux_hidden[:, t:t + 1]).abs().max().item()))
 out["max_err"] = max(errs)
 out["launches"] = {k: v for k, v in c.by_name.items() if k.startswith("triton.")}
+# the residual tails inside the one-row launches that produce their deltas: the same bits, no tail kernel
+from dflash_lab.spec_decode.fast import residual
+steps = {}
+with torch.no_grad():
+    for on in (False, True):
+        residual.IN_PRODUCER = on
+        st = StaticTarget(model, batch=1, capacity=32, layer_ids=[1, 4])
+        st.forward(ids[:, :20], pos[:, :20])
+        steps[on] = []
+        for t in range(20, 24):
+            with count_launches() as c2:
+                steps[on].append(st.forward(ids[:, t:t + 1], pos[:, t:t + 1]))
+out["in_producer_same_bits"] = [bool(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]))
+                                for a, b in zip(steps[False], steps[True])]
+out["in_producer_launches"] = {k: v for k, v in c2.by_name.items() if k.startswith("triton.")}
+out["counter_left_at_zero"] = int(residual._COUNTER[torch.device("cpu")].item()) == 0
 print(json.dumps(out))
 """
 
@@ -192,6 +208,14 @@ def test_one_token_of_the_static_path_in_the_interpreter_matches_transformers(in
     assert n.get("triton._silu_mul_kernel", 0) == 1, n
     assert n["triton._pair_gemv_kernel"] == 4 * 5 + 4, n  # 4 sparse layers x 5, the dense layer's 4
     assert "triton._route_kernel" not in n, n
+    assert n["triton._residual_norm_kernel"] == 2 * 5, n  # each layer's two tails
+    # with the tails in their producers (the o_proj GEMV, the routed + shared down, the dense layer's down):
+    # the same logits and aux states bit for bit, every tail kernel gone, nothing else added
+    assert out["in_producer_same_bits"] == [True] * 4, out["in_producer_same_bits"]
+    fused = out["in_producer_launches"]
+    assert "triton._residual_norm_kernel" not in fused, fused
+    assert fused == {k: v for k, v in n.items() if k != "triton._residual_norm_kernel"}, (fused, n)
+    assert out["counter_left_at_zero"]
 
 
 ROUTER_SCRIPT = r"""
@@ -451,3 +475,38 @@ def test_gpu_the_shared_expert_in_the_routed_launch_compiled_in_bfloat16():
     want = one_token_experts(ex, x, sel_ref, w_ref, shared=(gu[0, 256:], w_down))
     assert torch.equal(sel, sel_ref)
     assert ((got.float() - want.float()).abs().max() / want.float().abs().max()).item() < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_tails_in_their_producers_replay_the_same_bits_in_a_graph():
+    """``residual.IN_PRODUCER`` compiled, bf16, XS.2's widths at 3 layers: one-token steps replayed from CUDA
+    graphs (the last-program count must be back at 0 after every launch, or the next replay's tail never runs)
+    give the tail kernels' bits, and the counter ends at 0."""
+    from transformers import LagunaForCausalLM
+
+    from dflash_lab.measure.timing import graphed_ms
+    from dflash_lab.presets import laguna_xs_2_config
+    from dflash_lab.spec_decode.fast import residual
+    from dflash_lab.spec_decode.fast.static_target import StaticTarget
+
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    model = LagunaForCausalLM(laguna_xs_2_config(num_hidden_layers=3, num_experts=32, vocab_size=1024)).to(
+        dev, torch.bfloat16).eval()
+    ids = torch.randint(0, 1024, (1, 40), device=dev)
+    pos = torch.arange(40, device=dev)[None]
+    got = {}
+    with torch.no_grad():
+        for on in (False, True):
+            residual.IN_PRODUCER = on
+            try:
+                st = StaticTarget(model, batch=1, capacity=64, layer_ids=[0, 2])
+                st.forward(ids[:, :32], pos[:, :32])
+                step = lambda: st.forward(ids[:, 32:33], pos[:, 32:33])  # noqa: E731
+                graphed_ms(step, dev, reps=5)  # captured and replayed: the counter must survive replays
+                got[on] = [t.clone() for t in step()]
+            finally:
+                residual.IN_PRODUCER = False
+    assert all(torch.equal(a, b) for a, b in zip(got[False], got[True]))
+    assert int(residual._COUNTER[ids.device].item()) == 0

@@ -37,7 +37,7 @@ from ..drafter import DFlashLagunaDrafter
 from ..measure.step_bytes import NOMINAL_BANDWIDTH, drafter_step_bytes, floor_ms, target_step_bytes
 from ..measure.timing import graphed_ms
 from ..presets import LAGUNA_XS_21_DFLASH, laguna_xs_2_config
-from ..spec_decode.fast import pdl
+from ..spec_decode.fast import pdl, residual
 from ..spec_decode.fast.moe import distinct_experts, gathered_experts, uniform_distinct
 from ..spec_decode.fast.static_drafter import StaticDrafter
 from ..spec_decode.fast.static_target import StaticTarget, dense_experts, grouped_experts, grouped_usable
@@ -233,6 +233,15 @@ def measure(device, *, context: int, blocks, samples: int = 8, progress=print, o
         finally:
             pdl.ON = True
         out["pdl_runs"] = pdl.runs(prompt)
+        out["target_tails_in_producer"] = []  # the other setting of residual.IN_PRODUCER (one row: one token)
+        residual.IN_PRODUCER = not (was := residual.IN_PRODUCER)
+        try:
+            ms = graphed_ms(lambda: st.forward(ids1, pos1)[0].argmax(-1), device)
+            out["target_tails_in_producer"].append({"block": 1, "ms": round(ms, 4), "in_producer": not was})
+            progress(f"  target B= 1 with residual.IN_PRODUCER={not was}: {ms:.3f} ms")
+        finally:
+            residual.IN_PRODUCER = was
+        out["tails_in_producer"] = was
         out["drafter"] = drafter_steps(drafter, model, LAGUNA_XS_21_DFLASH, context, [b for b in blocks if b > 1],
                                        bandwidth, device, progress)
     return out
@@ -340,6 +349,14 @@ def xs2_steps_markdown(r: dict) -> str:
                   "projection loads its first weights before waiting. The same steps without it: "
                   + ", ".join(f"{o['block']} token(s) {o['ms']:.3f} ms (with it {fused[o['block']]:.3f} ms, "
                               f"{o['ms'] / fused[o['block']]:.2f}x)" for o in no_pdl) + "."]
+    for o in r.get("target_tails_in_producer", []):
+        base = next(t["ms"] for t in r["target"] if t["block"] == o["block"])
+        on, off = (o["ms"], base) if o["in_producer"] else (base, o["ms"])
+        lines += ["", "Residual tails in their producers (`residual.IN_PRODUCER`, "
+                  f"{'on' if r.get('tails_in_producer') else 'off'} in the steps above): the one-row GEMV that "
+                  "writes a tail's delta (o_proj, the routed + shared down, the dense layer's down) runs the add "
+                  "and the norm in its last program, so the tails are no launches of their own. A token with it: "
+                  f"{on:.3f} ms; without: {off:.3f} ms ({off / on:.2f}x)."]
     prev = ", ".join(f"moe={o['moe']}: {o['ms']:.3f} ms" for o in r.get("target_other_moe", []))
     lines += ["", f"Before this change `auto` picked `{r['previous_auto_choice']}` here (torch's grouped GEMM "
               f"{'runs' if r['grouped_mm_runs'] else 'does not run'}). The full target's token with the older "

@@ -11,7 +11,10 @@ path, reads the same bytes with fewer programs and wastes 15 of its 16 rows).
                                                  with silu_mul, w's rows are [gate | up] and the program
                                                  writes silu(gate) * up (the routed experts' gate/up)
     linear(x, w, b)                              F.linear for one row, through the same kernel (one "expert")
-                                                 where ``runs``; else F.linear
+                                                 where ``runs``; else F.linear (its tile by w's shape: a card's
+                                                 sweep may give a shape its own, ``dense_tile``)
+    linear_add_norm(x, w, h, norm, b)            a layer's residual tail after the product: (h + x w^T,
+                                                 norm(h + x w^T)), in the same launch with ``residual.IN_PRODUCER``
 
 Numerics: products and sums in float32, one rounding to the output dtype at the end (as a GEMM's epilogue);
 the order of the sum differs from cuBLAS', so float32 results agree to rounding, not bit for bit.
@@ -22,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import pdl, triton_ops
+from . import pdl, residual, triton_ops
 
 try:  # Triton is a GPU-side extra
     import triton
@@ -135,7 +138,9 @@ if triton is not None:
                           SILU_MUL: tl.constexpr, EXTRA: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_K: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr, PIPE: tl.constexpr,
                           logits_ptr=None, bias_ptr=None, wt_ptr=None, E=0, ROUTE: tl.constexpr = False,
-                          TOP_K: tl.constexpr = 1, BLOCK_E: tl.constexpr = 1):
+                          TOP_K: tl.constexpr = 1, BLOCK_E: tl.constexpr = 1, tail_h_ptr=None, tail_w_ptr=None,
+                          tail_h_out_ptr=None, tail_x_out_ptr=None, count_ptr=None, tail_scale=1.0, tail_eps=0.0,
+                          TAIL: tl.constexpr = False, TAIL_K: tl.constexpr = 0, TAIL_D: tl.constexpr = 1):
         """One (token, expert) pair p < P, one tile of output columns: out[p] = a[p // A_DIV] @ w[e]^T
         (* scale[p]). No 16-row block around a single row: every program streams its BLOCK_N weight rows with
         plain loads and sums products in float32. SILU_MUL: w holds [gate | up] (2 * N_OUT rows) and the
@@ -145,7 +150,10 @@ if triton is not None:
         PDL: launched under programmatic dependent launch (``pdl``); PREFETCH (with PDL): w is one matrix that
         every pair reads (a dense projection; the ids go unread), so its first chunk loads before the wait.
         ROUTE: one token's pairs p < TOP_K route themselves (``_route_pick`` on the router's logits and bias):
-        the tile-0 programs write the expert ids into expert_ptr and their weights into wt_ptr."""
+        the tile-0 programs write the expert ids into expert_ptr and their weights into wt_ptr. TAIL: the last
+        program to finish (counted on count_ptr, reset after) runs the residual tail of one row over the whole
+        output (``residual.producer_tail``): TAIL_K == 0, out[0] is the delta; else out[:TAIL_K] the routed
+        experts' and out[TAIL_K] the shared expert's."""
         pdl.release(PDL)
         if not PREFETCH:
             pdl.wait(PDL)
@@ -170,6 +178,13 @@ if triton is not None:
             if HAS_SCALE:
                 y = y * tl.load(scale_ptr + p).to(tl.float32)
         tl.store(out_ptr + p.to(tl.int64) * stride_out + cols, y.to(dt), mask=cmask)
+        if TAIL:  # as the attention's in-kernel merge: every thread's store made before the count releases it
+            tl.debug_barrier()
+            arrived = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="gpu")
+            if arrived == tl.num_programs(0) * tl.num_programs(1) - 1:
+                residual._tail(tail_h_ptr, out_ptr, out_ptr + TAIL_K * stride_out, tail_w_ptr, tail_h_out_ptr,
+                               tail_x_out_ptr, 0, N_OUT, 0, stride_out, 0, tail_scale, tail_eps, TAIL_K, TAIL_D)
+                tl.atomic_xchg(count_ptr, 0, sem="relaxed", scope="gpu")
 
 
 # The tiles, one per use (the routed experts' gate/up reduces over the hidden size, their down over the expert
@@ -217,13 +232,15 @@ def use_card_tiles(device: torch.device) -> str | None:
 
 
 def pair_gemv(a, w, out, expert, scale, a_div: int, silu_mul: bool = False, tile: str = "down",
-              extra: tuple | None = None, single: bool = False, route: tuple | None = None) -> None:
+              extra: tuple | None = None, single: bool = False, route: tuple | None = None,
+              tail: dict | None = None) -> None:
     """out (P, n) = each pair's row of a (row p // a_div) times its expert's w (E, N_w, K); n = N_w / 2 with
     silu_mul (w's rows [gate | up]), else N_w. extra = (gate_up (2 K2,), w2 (n, K2)): out has P + 1 rows and
     the last is silu(gate) * up times w2, computed in the same launch. single: w is one matrix (E = 1) and
     every pair reads it, so under PDL its first chunk loads before the wait for the previous kernel.
     route = (logits (E,), bias (E,), weights (P,)) for one token (a_div = P pairs, its top P experts): the
-    kernel routes, writing the expert ids into ``expert`` and their weights into weights."""
+    kernel routes, writing the expert ids into ``expert`` and their weights into weights. tail: the keywords
+    of ``residual.producer_tail`` (its rows of out are the tail's delta): the launch's last program runs it."""
     P, n_out, K = expert.numel(), out.shape[1], w.shape[2]
     assert a.stride(-1) == 1 and w.stride(-1) == 1 and out.stride(-1) == 1 and a.shape[-1] == K
     assert w.shape[1] == (2 * n_out if silu_mul else n_out) and out.shape[0] == P + (extra is not None)
@@ -249,7 +266,7 @@ def pair_gemv(a, w, out, expert, scale, a_div: int, silu_mul: bool = False, tile
                             HAS_SCALE=scale is not None, SILU_MUL=silu_mul, EXTRA=extra is not None,
                             BLOCK_N=t["block_n"], BLOCK_K=t["block_k"], num_warps=t["num_warps"],
                             PIPE=t["pipe"],
-                            PREFETCH=launch["PDL"] and single, **routing, **launch)
+                            PREFETCH=launch["PDL"] and single, **routing, **(tail or {}), **launch)
 
 
 def runs(x: torch.Tensor) -> bool:
@@ -263,11 +280,9 @@ def runs(x: torch.Tensor) -> bool:
 _EXPERT0: dict = {}
 
 
-def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, w, b); a single row (x.numel() == K) through ``pair_gemv`` where ``runs`` and ``DENSE``."""
+def _one_row(x: torch.Tensor, w: torch.Tensor, tail: dict | None = None) -> torch.Tensor:
+    """x (K elements) times w (N, K) through ``pair_gemv`` -> (1, N); tail: ``residual.producer_tail``'s keywords."""
     K = w.shape[-1]
-    if not (DENSE and b is None and x.numel() == K and w.stride(-1) == 1 and runs(x)):
-        return F.linear(x, w, b)
     key = str(x.device)
     if key not in _EXPERT0:  # made before a graph is captured (the first call is eager), read ever after
         _EXPERT0[key] = torch.zeros(1, dtype=torch.long, device=x.device)
@@ -275,5 +290,28 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     if x.is_cuda and not _CARD:  # the card's per-shape tiles are known before one is looked up
         use_card_tiles(x.device)
     pair_gemv(x.reshape(1, K), w.unsqueeze(0), out, _EXPERT0[key], None, 1, tile=dense_tile(w.shape[0], K),
-              single=True)
-    return out.view(*x.shape[:-1], w.shape[0])
+              single=True, tail=tail)
+    return out
+
+
+def _serves(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> bool:
+    return DENSE and b is None and x.numel() == w.shape[-1] and w.stride(-1) == 1 and runs(x)
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, w, b); a single row (x.numel() == K) through ``pair_gemv`` where ``runs`` and ``DENSE``."""
+    if not _serves(x, w, b):
+        return F.linear(x, w, b)
+    return _one_row(x, w).view(*x.shape[:-1], w.shape[0])
+
+
+def linear_add_norm(x: torch.Tensor, w: torch.Tensor, h: torch.Tensor, norm,
+                    b: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h + F.linear(x, w, b), norm(that)), h's shape: for one row through ``pair_gemv`` with the tail in the
+    same launch where ``residual.producer_tail`` allows, else ``linear`` then ``residual.add_norm``."""
+    fused = residual.producer_tail(h, norm) if _serves(x, w, b) and h.numel() == w.shape[0] else None
+    if fused is None:
+        return residual.add_norm(h, linear(x, w, b).view(h.shape), norm)
+    kw, h_out, x_out = fused
+    _one_row(x, w, kw)
+    return h_out, x_out

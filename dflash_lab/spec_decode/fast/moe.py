@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import torch
 
-from . import gemv, pdl, triton_ops
+from . import gemv, pdl, residual, triton_ops
 
 try:  # Triton is a GPU-side extra
     import triton
@@ -226,19 +226,21 @@ def _block_gemm(a, a_index, w, out, out_index, row_pair, block_expert, used, sca
 
 
 def one_token_experts(experts, x: torch.Tensor, selected: torch.Tensor, weights: torch.Tensor,
-                      shared: tuple | None = None) -> torch.Tensor:
+                      shared: tuple | None = None, tail: tuple | None = None):
     """The decode step's routed experts: one token, k distinct experts, each read once by a GEMV kernel (the
     16-row block of the batched path would carry one row). -> (k, H): each expert's weighted output.
 
     shared = (gate_up (2 I_s,), down (H, I_s)): the shared expert's down projection rides in the routed down
     projection's launch, reading silu(gate) * up from its gate/up output; -> (k + 1, H), the last row the
-    shared expert's (unscaled)."""
+    shared expert's (unscaled). tail = (h, scale, norm), with shared: the layer's residual tail
+    (``residual.experts_add_norm``) -> (h', norm(h')) instead, run inside the down launch where
+    ``residual.producer_tail`` allows."""
     return _one_token_gemvs(experts, x, selected.reshape(-1).contiguous(), weights.reshape(-1).contiguous(),
-                            shared)
+                            shared, tail=tail)
 
 
 def routed_one_token(experts, x: torch.Tensor, logits: torch.Tensor, bias: torch.Tensor, top_k: int,
-                     shared: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     shared: tuple | None = None, tail: tuple | None = None) -> tuple:
     """``one_token_experts`` with the router inside the gate/up launch: logits (1, E) (a row of any stride
     whose last dimension is contiguous), bias (E,) -> (its output, expert ids (1, k)). Each gate/up program
     picks its own expert from the logits (``fused_route``'s choice and weights), so the router is no launch
@@ -248,11 +250,13 @@ def routed_one_token(experts, x: torch.Tensor, logits: torch.Tensor, bias: torch
                          f"last dimension and 1 <= top_k ({top_k}) <= E")
     sel = torch.empty(top_k, device=x.device, dtype=torch.long)
     wt = torch.empty(top_k, device=x.device, dtype=x.dtype)
-    return _one_token_gemvs(experts, x, sel, wt, shared, route=(logits[0], bias, wt)), sel.view(1, top_k)
+    return (_one_token_gemvs(experts, x, sel, wt, shared, route=(logits[0], bias, wt), tail=tail),
+            sel.view(1, top_k))
 
 
-def _one_token_gemvs(experts, x, sel, wt, shared, route=None) -> torch.Tensor:
-    """The two GEMV launches of one token's routed experts (and the shared expert's down projection)."""
+def _one_token_gemvs(experts, x, sel, wt, shared, route=None, tail=None):
+    """The two GEMV launches of one token's routed experts (and the shared expert's down projection, and with
+    ``tail`` the layer's residual tail)."""
     k = sel.numel()
     w_gu, w_down = experts.gate_up_proj, experts.down_proj
     silu = triton_ops.is_silu(experts.act_fn)
@@ -260,8 +264,16 @@ def _one_token_gemvs(experts, x, sel, wt, shared, route=None) -> torch.Tensor:
     gemv.pair_gemv(x, w_gu, h, sel, None, k, silu, tile="gate_up", route=route)
     act = h if silu else triton_ops.act_mul(experts.act_fn, h)
     out = torch.empty(k + (shared is not None), w_down.shape[1], device=x.device, dtype=x.dtype)
-    gemv.pair_gemv(act, w_down, out, sel, wt, 1, extra=shared)
-    return out
+    if tail is not None and shared is None:
+        raise ValueError("one token's residual tail needs the shared expert's row (shared=...)")
+    res, scale, norm = tail if tail is not None else (None, 0.0, None)
+    fused = residual.producer_tail(res, norm, scale, k) if tail is not None else None
+    gemv.pair_gemv(act, w_down, out, sel, wt, 1, extra=shared, tail=fused[0] if fused else None)
+    if tail is None:
+        return out
+    if fused is not None:
+        return fused[1], fused[2]
+    return residual.experts_add_norm(res, out[None, :-1], scale, out[-1:].view(res.shape), norm)
 
 
 if triton is not None:

@@ -14,6 +14,8 @@ every kernel costs a few microseconds however little it reads. Here each tail is
     experts_add_norm(h, expert_out, scale, shared, norm)
         expert_out (N, k, H): the k weighted expert outputs of each token, not yet summed
                                                     -> (h', norm(h')), h' = h + (sum_k expert_out * scale + shared)
+    producer_tail(h, norm, scale, k)                the same tail for one row, run inside the GEMV launch that
+                                                    writes the delta (``IN_PRODUCER``): no launch of its own
 
 Numerics follow torch's sequence: the sum over k in float32 rounded once to the dtype (as torch's reduce
 does), each later product and add rounded to the dtype, the norm as ``triton_ops.rms_norm``. Where the
@@ -36,22 +38,22 @@ except ImportError:  # pragma: no cover - depends on the machine
 if triton is not None:
 
     @triton.jit
-    def _residual_norm_kernel(h_ptr, d_ptr, s_ptr, w_ptr, h_out_ptr, x_out_ptr, D, stride_h, stride_d, stride_s,
-                              scale, eps, K: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
-        # K == 0: delta = d[n]; K >= 1: delta = round(round(round(sum_k d[n, k]) * scale) + s[n])
-        pdl.enter(PDL)
-        n = tl.program_id(0).to(tl.int64)
+    def _tail(h_ptr, d_ptr, s_ptr, w_ptr, h_out_ptr, x_out_ptr, n, D, stride_h, stride_d, stride_s, scale, eps,
+              K: tl.constexpr, BLOCK_D: tl.constexpr):
+        """Row n's tail. K == 0: delta = d[n]; K >= 1: delta = round(round(round(sum_k d[n, k]) * scale) + s[n]).
+        d and s are read past L1 (``.cg``): in a producer's last program other programs wrote them."""
         cols = tl.arange(0, BLOCK_D)
         m = cols < D
         dt = h_out_ptr.dtype.element_ty
         if K == 0:
-            delta = tl.load(d_ptr + n * stride_d + cols, mask=m, other=0.0).to(tl.float32)
+            delta = tl.load(d_ptr + n * stride_d + cols, mask=m, other=0.0, cache_modifier=".cg").to(tl.float32)
         else:
             acc = tl.zeros((BLOCK_D,), tl.float32)
             for k in tl.static_range(K):
-                acc += tl.load(d_ptr + (n * K + k) * stride_d + cols, mask=m, other=0.0).to(tl.float32)
+                acc += tl.load(d_ptr + (n * K + k) * stride_d + cols, mask=m, other=0.0,
+                               cache_modifier=".cg").to(tl.float32)
             routed = (acc.to(dt).to(tl.float32) * scale).to(dt).to(tl.float32)
-            shared = tl.load(s_ptr + n * stride_s + cols, mask=m, other=0.0).to(tl.float32)
+            shared = tl.load(s_ptr + n * stride_s + cols, mask=m, other=0.0, cache_modifier=".cg").to(tl.float32)
             delta = (routed + shared).to(dt).to(tl.float32)
         h = (tl.load(h_ptr + n * stride_h + cols, mask=m, other=0.0).to(tl.float32) + delta).to(dt)
         tl.store(h_out_ptr + n * D + cols, h, mask=m)
@@ -59,6 +61,13 @@ if triton is not None:
         rstd = 1.0 / tl.sqrt_rn(tl.sum(hf * hf, axis=0) / D + eps)
         w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
         tl.store(x_out_ptr + n * D + cols, (w * (hf * rstd).to(dt).to(tl.float32)).to(dt), mask=m)
+
+    @triton.jit
+    def _residual_norm_kernel(h_ptr, d_ptr, s_ptr, w_ptr, h_out_ptr, x_out_ptr, D, stride_h, stride_d, stride_s,
+                              scale, eps, K: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+        pdl.enter(PDL)
+        _tail(h_ptr, d_ptr, s_ptr, w_ptr, h_out_ptr, x_out_ptr, tl.program_id(0).to(tl.int64), D, stride_h,
+              stride_d, stride_s, scale, eps, K, BLOCK_D)
 
 
 # Warps of the tail kernel (one program a row); None: 4 up to a 2048-wide row, else 8. ``scripts/moe_tiles.py
@@ -84,6 +93,32 @@ def _launch(h, d, shared, scale: float, norm, k: int):
                                     BLOCK_D=triton.next_power_of_2(D), num_warps=WARPS or (4 if D <= 2048 else 8),
                                     **pdl.launch(h))
     return h_out.view(shape), x_out.view(shape)
+
+
+# Whether a one-row GEMV launch that produces a tail's delta runs the tail too (``producer_tail``): its last
+# program to finish adds and norms, so the tail is no launch of its own. Benchmarks time both.
+IN_PRODUCER = False
+_COUNTER: dict = {}  # device -> one int32 zero: the producer's programs count themselves in; the last resets it
+
+
+def producer_tail(h: torch.Tensor, norm, scale: float = 1.0, k: int = 0):
+    """For a one-row GEMV launch (``gemv.pair_gemv(tail=...)``) that writes the delta of h's tail: (the launch's
+    keywords, h', x') where it can run it (``IN_PRODUCER``, the kernels run, one row, a counter at hand), else
+    None. k == 0: the launch's row 0 is the delta (``add_norm``); k >= 1: its rows 0..k-1 are the k expert
+    outputs and row k the shared expert's (``experts_add_norm``)."""
+    if not (IN_PRODUCER and triton_ops.enabled(h)) or h.numel() != h.shape[-1] or h.stride(-1) != 1:
+        return None
+    counter = _COUNTER.get(h.device)
+    if counter is None:
+        if h.is_cuda and torch.cuda.is_current_stream_capturing():
+            return None  # an allocation here would belong to the graph's pool: this capture keeps the kernel
+        _COUNTER[h.device] = counter = torch.zeros(1, device=h.device, dtype=torch.int32)
+    D = h.shape[-1]
+    h_out, x_out = (torch.empty(h.shape, device=h.device, dtype=h.dtype) for _ in range(2))
+    kw = dict(tail_h_ptr=h, tail_w_ptr=norm.weight, tail_h_out_ptr=h_out, tail_x_out_ptr=x_out, count_ptr=counter,
+              tail_scale=float(scale), tail_eps=triton_ops.norm_eps(norm), TAIL=True, TAIL_K=k,
+              TAIL_D=triton.next_power_of_2(D))
+    return kw, h_out, x_out
 
 
 def add_norm(h: torch.Tensor, delta: torch.Tensor, norm) -> tuple[torch.Tensor, torch.Tensor]:

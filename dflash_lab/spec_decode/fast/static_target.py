@@ -205,6 +205,7 @@ class StaticTarget:
 
     def _attention(self, lay: _Layer, i: int, x: torch.Tensor, cos, sin, positions, bias, rows=None,
                    fused=None, rope_positions=None) -> torch.Tensor:
+        """The layer's gated attention output, before o_proj (which the forward runs with the residual tail)."""
         a = lay.attn
         B, Q, _ = x.shape
         qkvg = gemv.linear(x, lay.w_in, lay.b_in)
@@ -223,16 +224,13 @@ class StaticTarget:
             cache_k, cache_v = k.transpose(1, 2), v.transpose(1, 2)  # (B, nkv, Q, hd): what the prefill attends to
         if fused is not None:  # (query positions, tree start, ancestors): one kernel, gate included
             qpos, start, ancestors = fused
-            return gemv.linear(attention.gated_attention(q, cache_k, cache_v, g, qpos, a.scaling, window=lay.window,
-                                                         per_head=a.gate_per_head, tree_start=start,
-                                                         ancestors=ancestors), a.o_proj.weight, a.o_proj.bias)
+            return attention.gated_attention(q, cache_k, cache_v, g, qpos, a.scaling, window=lay.window,
+                                             per_head=a.gate_per_head, tree_start=start, ancestors=ancestors)
         out = gqa_attention(q, cache_k, cache_v, bias, a.scaling)  # (B, Q, H*hd)
         gate = F.softplus(g.float()).to(out.dtype)
         if a.gate_per_head:
-            out = (out.view(B, Q, -1, a.head_dim) * gate.unsqueeze(-1)).view(B, Q, -1)
-        else:
-            out = out * gate
-        return gemv.linear(out, a.o_proj.weight, a.o_proj.bias)
+            return (out.view(B, Q, -1, a.head_dim) * gate.unsqueeze(-1)).view(B, Q, -1)
+        return out * gate
 
     def _mlp_add_norm(self, lay: _Layer, x: torch.Tensor, h: torch.Tensor, norm) -> tuple[torch.Tensor, torch.Tensor]:
         """The MLP of the normed x added to the residual h: (h', norm(h')), the MLP's tail in one kernel
@@ -240,8 +238,7 @@ class StaticTarget:
         B, Q, H = x.shape
         x = x.reshape(B * Q, H)
         if not lay.sparse:
-            out = gemv.linear(triton_ops.act_mul(lay.act, gemv.linear(x, lay.w_gu)), lay.w_down)
-            return residual.add_norm(h, out.view(B, Q, H), norm)
+            return gemv.linear_add_norm(triton_ops.act_mul(lay.act, gemv.linear(x, lay.w_gu)), lay.w_down, h, norm)
         mlp, router = lay.mlp, lay.mlp.gate
         n_exp = router.weight.shape[0]
         g = gemv.linear(x, lay.w_gu)  # router | shared gate | up
@@ -250,17 +247,17 @@ class StaticTarget:
         # rides in the routed down launch (two launches for router, routed and shared experts)
         one = B * Q == 1 and self.moe == "gathered" and kernel_runs(x) and triton_ops.is_silu(lay.act)
         fused = route_runs(logits, router)  # the router in Triton (float32 inside), not torch's ops
-        if one:
-            both = (g[0, n_exp:], lay.w_down)
+        if one:  # and the layer's residual tail after them (inside the down launch where ``residual`` allows)
+            both, tail = (g[0, n_exp:], lay.w_down), (h, mlp.routed_scaling_factor, norm)
             if fused:
-                out, selected = routed_one_token(mlp.experts, x, logits, router.e_score_correction_bias,
-                                                 router.top_k, shared=both)
+                h_x, selected = routed_one_token(mlp.experts, x, logits, router.e_score_correction_bias,
+                                                 router.top_k, shared=both, tail=tail)
             else:
                 weights, selected = route(router, logits.float(), x.dtype)
-                out = one_token_experts(mlp.experts, x, selected, weights, shared=both)
+                h_x = one_token_experts(mlp.experts, x, selected, weights, shared=both, tail=tail)
             if self.routing is not None:
                 self.routing.append(selected)
-            routed, shared = out[None, :-1], out[-1:]
+            return h_x
         else:
             shared = gemv.linear(triton_ops.act_mul(lay.act, g[:, n_exp:]), lay.w_down)
             if fused:
@@ -330,7 +327,7 @@ class StaticTarget:
             cos, sin = rope[lay.layer_type]
             a = self._attention(lay, i, x, cos, sin, write_at, bias.get((lay.window, lay.groups)), rows, fused,
                                 rope_pos)
-            h, x = residual.add_norm(h, a, lay.post_norm)
+            h, x = gemv.linear_add_norm(a, lay.attn.o_proj.weight, h, lay.post_norm, lay.attn.o_proj.bias)
             h, x = self._mlp_add_norm(lay, x, h, norms[i])
             if i in self.layer_ids:
                 captured[i] = h
