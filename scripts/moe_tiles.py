@@ -83,16 +83,22 @@ def route_sweep(dev) -> int:
     bias = torch.randn(cfg.num_experts, device=dev, generator=g) * 0.1
     calls = lambda: [moe.fused_route(x, bias, cfg.num_experts_per_tok, torch.bfloat16) for x in logits]  # noqa: E731
     ref = calls()
+    same = lambda: f", same experts: {all(torch.equal(a[1], b[1]) for a, b in zip(calls(), ref))}"  # noqa: E731
+    return warps_sweep(moe, "ROUTE_WARPS", "router, 1 token", calls, dev, (1, 2, 4, 8), same)
+
+
+def warps_sweep(module, name: str, what: str, calls, dev, choices, note=lambda: "") -> int:
+    """``module.name`` (a kernel's warps) at each of ``choices``, ``calls`` timed graphed (LAYERS calls a graph);
+    sets and returns the fastest. note(): what to add to each line (a check of the results)."""
     timed = []
-    for w in (1, 2, 4, 8):
-        moe.ROUTE_WARPS = w
-        same = all(torch.equal(a[1], b[1]) for a, b in zip(calls(), ref))
+    for w in choices:
+        setattr(module, name, w)
         ms = graphed_ms(calls, dev, reps=100) / LAYERS
-        print(f"router, 1 token, {w} warp(s): {ms:.4f} ms a call, same experts: {same}", flush=True)
+        print(f"{what}, {w} warp(s): {ms * 1e3:.2f} us a call{note()}", flush=True)
         timed.append((ms, w))
-    moe.ROUTE_WARPS = min(timed)[1]
-    print(f"best router warps: {moe.ROUTE_WARPS}\n")
-    return moe.ROUTE_WARPS
+    setattr(module, name, min(timed)[1])
+    print(f"best {what} warps: {min(timed)[1]}\n")
+    return min(timed)[1]
 
 
 def dense_sweep(dev) -> dict:
@@ -224,15 +230,7 @@ def residual_sweep(dev) -> int:
             h2, x = residual.experts_add_norm(h, o, 2.5, shared, norm)
             residual.add_norm(h2, x, norm)
 
-    timed = []
-    for w in (1, 2, 4, 8, 16):
-        residual.WARPS = w
-        ms = graphed_ms(tails, dev, reps=100) / LAYERS
-        print(f"residual tails (a sparse and a dense), {w} warp(s): {ms * 1e3:.2f} us a layer", flush=True)
-        timed.append((ms, w))
-    residual.WARPS = min(timed)[1]
-    print(f"best residual warps: {residual.WARPS}\n")
-    return residual.WARPS
+    return warps_sweep(residual, "WARPS", "residual tails (a sparse and a dense a layer)", tails, dev, (1, 2, 4, 8, 16))
 
 
 def main() -> int:
