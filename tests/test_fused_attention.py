@@ -81,8 +81,8 @@ def run_cases(with_bf16=True):
              start=start + 500),
     ]
     # the splits above merged by the last of them (one launch); every counter is back at 0 afterwards
-    from dflash_lab.spec_decode.fast import attention
-    out.append(("merge counters left at 0", float(sum(c.abs().sum().item() for c in attention._COUNTERS.values()))))
+    from dflash_lab.spec_decode.fast import attention, pdl
+    out.append(("merge counters left at 0", float(sum(c.abs().sum().item() for c in pdl._COUNTERS.values()))))
     attention.MERGE_IN_LAST = False  # the second kernel's merge
     try:
         out.append(case("decode, long cache split, merged by a second kernel", 3, 1, 4, 2, 64, 600,

@@ -56,7 +56,6 @@ BLOCK_N = 32  # key slots per iteration
 BLOCK_M = 16  # folded query rows per program, whatever Q is: a row's sums never depend on the step's width
 SPLIT_FROM, SPLIT_SLOTS, MAX_SPLITS = 512, 128, 8  # flash-decoding: a long cache's slots shared by programs
 MERGE_IN_LAST = True  # the splits merged by the last of them (one launch), not by a second kernel
-_COUNTERS: dict = {}  # device -> int32 zeros, one per (row, KV head, row block); the merging split resets its own
 
 
 def usable(q: torch.Tensor) -> bool:
@@ -250,7 +249,7 @@ def gated_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: tor
         part_acc = torch.empty((parts, block_d), device=q.device, dtype=torch.float32)
     else:  # never read: the kernel finishes in place
         part_m = part_l = part_acc = out
-    counts = _counters(q.device, grid[0] * grid[1]) if splits > 1 and MERGE_IN_LAST else None
+    counts = pdl.counters(q.device, grid[0] * grid[1], "attention") if splits > 1 and MERGE_IN_LAST else None
     _gated_attention_kernel[grid](
         q, k, v, g, out, qpos, start, anc, part_m, part_l, part_acc,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
@@ -266,18 +265,6 @@ def gated_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: tor
                                   out.stride(1), nkv, Q, G=G, HD=hd, BLOCK_D=block_d, BLOCK_M=BLOCK_M,
                                   SPLITS=splits, HAS_GATE=gate is not None, PER_HEAD=per_head, **pdl.launch(q))
     return out
-
-
-def _counters(device: torch.device, n: int) -> torch.Tensor | None:
-    """n zeroed int32 counters for the in-kernel merge, kept per device (each merge leaves its counter at 0
-    again). None while a CUDA graph is being captured and none are allocated yet: an allocation there would
-    belong to the graph's memory pool."""
-    have = _COUNTERS.get(device)
-    if have is None or have.numel() < n:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        _COUNTERS[device] = have = torch.zeros(max(n, 4096), device=device, dtype=torch.int32)
-    return have
 
 
 def num_splits(slots: int) -> int:

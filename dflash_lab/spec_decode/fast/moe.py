@@ -264,14 +264,16 @@ def _one_token_gemvs(experts, x, sel, wt, shared, route=None, tail=None):
     gemv.pair_gemv(x, w_gu, h, sel, None, k, silu, tile="gate_up", route=route)
     act = h if silu else triton_ops.act_mul(experts.act_fn, h)
     out = torch.empty(k + (shared is not None), w_down.shape[1], device=x.device, dtype=x.dtype)
-    if tail is not None and shared is None:
-        raise ValueError("one token's residual tail needs the shared expert's row (shared=...)")
-    res, scale, norm = tail if tail is not None else (None, 0.0, None)
-    fused = residual.producer_tail(res, norm, scale, k) if tail is not None else None
+    fused = None
+    if tail is not None:
+        if shared is None:
+            raise ValueError("one token's residual tail needs the shared expert's row (shared=...)")
+        res, scale, norm = tail
+        fused = residual.producer_tail(res, norm, scale, k)
     gemv.pair_gemv(act, w_down, out, sel, wt, 1, extra=shared, tail=fused[0] if fused else None)
     if tail is None:
         return out
-    if fused is not None:
+    if fused is not None:  # the down launch ran the tail
         return fused[1], fused[2]
     return residual.experts_add_norm(res, out[None, :-1], scale, out[-1:].view(res.shape), norm)
 

@@ -17,6 +17,7 @@ launched without PDL (torch's, cuBLAS') simply starts after the previous one, as
                   control, ``ON``); never in Triton's CPU interpreter
     launch(x)     the launch keywords: {"PDL": on, "launch_pdl": True} where it runs, else {"PDL": False}
     enter(PDL)    in a kernel: release the next launch, then wait for the previous kernel
+    counters(device, n, owner)  zeroed counters for a kernel whose last program to arrive finishes its work
 """
 
 from __future__ import annotations
@@ -52,6 +53,27 @@ def runs(x: torch.Tensor) -> bool:
     if key not in _CAPABLE:
         _CAPABLE[key] = torch.cuda.get_device_capability(key)[0] >= 9 and _launch_option()
     return _CAPABLE[key]
+
+
+_COUNTERS: dict = {}  # (device, owner) -> int32 zeros; _RETIRED keeps replaced ones alive for graphs that hold them
+_RETIRED: list = []
+
+
+def counters(device: torch.device, n: int, owner: str) -> torch.Tensor | None:
+    """n zeroed int32 counters for ``owner``'s kernels (the attention's split merge, a GEMV's residual tail),
+    kept per device: each program counts itself in on an atomic after its ``wait``, and the last to arrive
+    finishes the launch's work and sets its counter back to 0. In a chain of launches on one stream no two
+    kernels count at once (each counts after the previous has finished). None while a CUDA graph is being
+    captured and none are allocated yet: an allocation there would belong to the graph's memory pool."""
+    key = (torch.device(device), owner)
+    have = _COUNTERS.get(key)
+    if have is None or have.numel() < n:
+        if key[0].type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        if have is not None:
+            _RETIRED.append(have)  # a captured graph may still count on it
+        _COUNTERS[key] = have = torch.zeros(max(n, 4096), device=device, dtype=torch.int32)
+    return have
 
 
 def launch(x: torch.Tensor) -> dict:

@@ -98,7 +98,6 @@ def _launch(h, d, shared, scale: float, norm, k: int):
 # Whether a one-row GEMV launch that produces a tail's delta runs the tail too (``producer_tail``): its last
 # program to finish adds and norms, so the tail is no launch of its own. Benchmarks time both.
 IN_PRODUCER = False
-_COUNTER: dict = {}  # device -> one int32 zero: the producer's programs count themselves in; the last resets it
 
 
 def producer_tail(h: torch.Tensor, norm, scale: float = 1.0, k: int = 0):
@@ -108,11 +107,9 @@ def producer_tail(h: torch.Tensor, norm, scale: float = 1.0, k: int = 0):
     outputs and row k the shared expert's (``experts_add_norm``)."""
     if not (IN_PRODUCER and triton_ops.enabled(h)) or h.numel() != h.shape[-1] or h.stride(-1) != 1:
         return None
-    counter = _COUNTER.get(h.device)
-    if counter is None:
-        if h.is_cuda and torch.cuda.is_current_stream_capturing():
-            return None  # an allocation here would belong to the graph's pool: this capture keeps the kernel
-        _COUNTER[h.device] = counter = torch.zeros(1, device=h.device, dtype=torch.int32)
+    counter = pdl.counters(h.device, 1, "residual tail")
+    if counter is None:  # first asked for while a graph is captured: this capture keeps the tail kernel
+        return None
     D = h.shape[-1]
     h_out, x_out = (torch.empty(h.shape, device=h.device, dtype=h.dtype) for _ in range(2))
     kw = dict(tail_h_ptr=h, tail_w_ptr=norm.weight, tail_h_out_ptr=h_out, tail_x_out_ptr=x_out, count_ptr=counter,
