@@ -338,3 +338,21 @@ def test_a_record_of_both_batchings_gives_the_continuous_rows_unless_told(capsys
         rec = recommend_schedule(measurements_from_record(record, "dflash", batching=batching))
         text = out.split("--speculative-config '", 1)[1].split("'", 1)[0]
         assert [tuple(r) for r in json.loads(text)["num_speculative_tokens_per_batch_size"]] == rec.schedule
+
+
+def test_schedules_come_from_the_first_record_that_holds_each_method():
+    """``bench serve --schedule-from A B``: a method takes its schedule from the first record holding it (the
+    device drafter's from the record that measured it), and none where every record says K = 0 wins."""
+    from dflash_lab.tools.bench_serving import schedules_from
+
+    ngram = SERVING_RECORD.with_name("spec_decode_serving_ngram_gpu.json")
+    first, second = (json.loads(p.read_text()) for p in (SERVING_RECORD, ngram))
+    methods = ["dflash", "prompt_lookup", "prompt_lookup_gpu"]
+    got = schedules_from([SERVING_RECORD, ngram], "heldout", methods, 64)
+    assert got == schedules_from(str(SERVING_RECORD), "heldout", methods, 64) | \
+        schedules_from([ngram], "heldout", ["prompt_lookup_gpu"], 64)
+    for method, record in (("dflash", first), ("prompt_lookup_gpu", second)):
+        rec = recommend_schedule(measurements_from_record(record, method, prompt_set="heldout"), max_batch=64)
+        assert got[method] == SpeculationSchedule.from_config(rec.schedule, 64, rec.num_speculative_tokens)
+    assert "prompt_lookup" not in got  # K = 0 at every batch on the H200 record: nothing to serve under it
+    assert schedules_from(None, "heldout", methods, 64) is None

@@ -80,21 +80,23 @@ def parse_refill_at(text: str | None):
         raise ValueError(f"--refill-at must be N or c/N (N an integer), got {text!r}") from None
 
 
-def schedules_from(path, prompt_set: str, methods, max_batch: int) -> dict | None:
-    """{method: the schedule ``spec_decode.schedule`` recommends from the continuous records of the serving
-    record at ``path``} for one prompt set; None without a path."""
-    if path is None:
+def schedules_from(paths, prompt_set: str, methods, max_batch: int) -> dict | None:
+    """{method: the schedule ``spec_decode.schedule`` recommends from the continuous rows of the first serving
+    record in ``paths`` (one path, or several) that holds the method} for one prompt set; None without a path."""
+    if not paths:
         return None
-    record = json.loads(Path(path).read_text())
+    records = [json.loads(Path(p).read_text()) for p in ([paths] if isinstance(paths, (str, Path)) else paths)]
     out = {}
     for method in methods:
-        try:
-            ms = measurements_from_record(record, method, prompt_set=prompt_set, batching="continuous")
-        except ValueError:
-            continue  # a method the record does not hold
-        rec = recommend_schedule(ms, max_batch=max_batch)
-        if rec.num_speculative_tokens > 0:
-            out[method] = SpeculationSchedule.from_config(rec.schedule, max_batch, rec.num_speculative_tokens)
+        for record in records:
+            try:
+                ms = measurements_from_record(record, method, prompt_set=prompt_set, batching="continuous")
+            except ValueError:
+                continue  # a method this record does not hold
+            rec = recommend_schedule(ms, max_batch=max_batch)
+            if rec.num_speculative_tokens > 0:
+                out[method] = SpeculationSchedule.from_config(rec.schedule, max_batch, rec.num_speculative_tokens)
+            break
     return out
 
 
@@ -160,8 +162,9 @@ def add_command(subparsers) -> None:
     p.add_argument("--prompt-set", choices=["heldout", "docstring", "both"], default="both")
     p.add_argument("--no-phases", action="store_true", help="skip the per-batch phase timing")
     p.add_argument("--batching", choices=["continuous", "static", "both"], default="both")
-    p.add_argument("--schedule-from", help="a serving record (benchmarks/spec_decode_serving.json): each method "
-                                           "also runs at the per-batch schedule recommended from its continuous rows")
+    p.add_argument("--schedule-from", nargs="+", help="serving records (benchmarks/spec_decode_serving*.json): each "
+                                                      "method also runs at the per-batch schedule recommended from "
+                                                      "the continuous rows of the first record that holds it")
     p.add_argument("--refill-at", help="continuous batching refills once N rows are free: N, or c/N for the "
                                        "concurrency over N (default 1, vLLM's rule)")
     p.add_argument("--read-behind", action="store_true", help="CUDA: read the rows' state one step behind, as "
