@@ -208,6 +208,24 @@ def test_a_graphed_step_off_cuda_is_a_plain_call():
     assert not step.captured and calls == [1, 1]
 
 
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("warm", [True, False])
+def test_gpu_a_captured_step_is_replayed_once_then_reset(monkeypatch, warm):
+    """With ``WARM_REPLAY`` the graph's first replay (which also uploads it) happens at capture: the call ran its
+    warm-ups and that replay, and the state is reset after; the next call is an ordinary replay."""
+    from dflash_lab.spec_decode.fast import cuda_graphs
+
+    monkeypatch.setattr(cuda_graphs, "WARM_REPLAY", warm)
+    runs, resets = torch.zeros((), dtype=torch.long, device="cuda"), []
+    step = GraphedStep(lambda: runs.add_(1), enabled=True, device=runs.device, reset=lambda: resets.append(1),
+                       warmup=2)
+    torch.cuda.synchronize()
+    assert step.captured and int(runs) == 2 + warm and len(resets) == 3 + warm
+    step()
+    assert int(runs) == 3 + warm and len(resets) == 3 + warm
+
+
 TRITON_SCRIPT = textwrap.dedent("""
     import json, torch
     from dflash_lab.spec_decode.fast import triton_ops

@@ -25,6 +25,11 @@ import gc
 
 import torch
 
+# Replay a graph once when it is captured (then reset the state again): the first replay of a CUDA graph also
+# uploads it to the device, a one-time cost of its own that would otherwise land in the first timed use of a
+# step (a per-batch schedule's narrower step is first replayed in the middle of a served stream).
+WARM_REPLAY = True
+
 
 class GraphedStep:
     """``fn()`` replayed from a CUDA graph (or called directly when graphs are off).
@@ -61,6 +66,10 @@ class GraphedStep:
         finally:
             if collecting:
                 gc.enable()
+        if WARM_REPLAY:
+            self.graph.replay()
+            if reset is not None:
+                reset()
 
     @property
     def captured(self) -> bool:
