@@ -356,3 +356,23 @@ def test_schedules_come_from_the_first_record_that_holds_each_method():
         assert got[method] == SpeculationSchedule.from_config(rec.schedule, 64, rec.num_speculative_tokens)
     assert "prompt_lookup" not in got  # K = 0 at every batch on the H200 record: nothing to serve under it
     assert schedules_from(None, "heldout", methods, 64) is None
+
+
+def test_scheduled_runs_are_reported_beside_the_unscheduled_ones():
+    """A run served under a schedule is its own row in the serving tables ("<method> (scheduled)"), never taken
+    as the method's best block, and the tables name each schedule."""
+    from dflash_lab.measure.serving import best_blocks
+    from dflash_lab.tools.bench_serving import serving_markdown
+
+    record = json.loads(SERVING_RECORD.with_name("spec_decode_serving_schedule.json").read_text())
+    best = best_blocks(record["records"])
+    schedules = {r["method"]: r["schedule"] for r in record["records"] if r.get("schedule")}
+    assert schedules  # the record served some schedules
+    for (_, method, _), r in best.items():
+        assert bool(r.get("schedule")) == method.endswith(" (scheduled)")
+    md = serving_markdown(record)
+    for method, schedule in schedules.items():
+        assert f"{method} `{json.dumps(schedule)}`" in md
+        for c in {r["batch"] for r in record["records"]}:
+            row = best["heldout", f"{method} (scheduled)", c]
+            assert f"| {c} | continuous | {method} (scheduled) | {row['block_size']} | {row['tokens_per_s']:.0f} |" in md

@@ -137,12 +137,13 @@ def serving_speedups(records) -> list[dict]:
 
 
 def best_blocks(records, batching: str = "continuous") -> dict:
-    """{(prompt_set, method, concurrency): the record with the most tokens/s over the block sizes}."""
+    """{(prompt_set, method, concurrency): the record with the most tokens/s over the block sizes}. A run under a
+    per-batch schedule is its own method, "<method> (scheduled)": its K followed the batch, not its block."""
     best = {}
     for r in records:
         if r["batching"] != batching:
             continue
-        k = (r.get("prompt_set", "heldout"), r["method"], r["batch"])
+        k = (r.get("prompt_set", "heldout"), r["method"] + (" (scheduled)" if r.get("schedule") else ""), r["batch"])
         if k not in best or r["tokens_per_s"] > best[k]["tokens_per_s"]:
             best[k] = r
     return best

@@ -53,6 +53,11 @@ def serving_markdown(result: dict) -> str:
                     lines.append(f"| {c} | {batching} | {method} | {r['block_size']} | {r['tokens_per_s']:.0f} | "
                                  f"{r['tokens_per_s'] / b:.2f}x | {r['mean_acceptance_length'] or '-'} | "
                                  f"{r['batch_steps']} | {r['mean_e2el_ms']:.1f} | {r['p99_e2el_ms']:.1f} |")
+        scheduled = {r["method"]: r["schedule"] for r in recs if r.get("schedule")}
+        if scheduled:  # vLLM's ``num_speculative_tokens_per_batch_size``: [first batch, last batch, K] ranges
+            lines += ["", "Scheduled runs draft the K of `num_speculative_tokens_per_batch_size` for the running "
+                      "requests (block = the largest K + 1): " + "; ".join(f"{m} `{json.dumps(v)}`"
+                                                                          for m, v in scheduled.items()) + "."]
         lines.append("")
     if result.get("phases"):
         lines += ["## Phases per step (ms), a static batch of held-out prompts", "",
