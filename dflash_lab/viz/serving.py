@@ -33,25 +33,29 @@ def straggler_figure(request_steps, concurrency: int, *, title: str | None = Non
 def serving_speedup_figure(records, *, phases: dict | None = None, prompt_set: str = "heldout",
                            methods=tuple(COLORS), title: str | None = None) -> go.Figure:
     """Speed-up over target-only (same concurrency and batching; each method at its best block) against the
-    concurrency, continuous (solid) and static (dotted); with ``phases`` ({concurrency: {method: phase row}}), the
-    bound tau x target-only step / drafter step (prefill and ragged ends left out) for each drafter."""
-    rows = [r for r in records if r.get("prompt_set", "heldout") == prompt_set and r.get("schedule") is None]
-    base = {(r["batch"], r["batching"]): r["tokens_per_s"] for r in rows if r["method"] == "target_only"}
+    concurrency, continuous (solid) and static (dotted), and served under a per-batch schedule (dash-dot) where
+    the records hold such runs; with ``phases`` ({concurrency: {method: phase row}}), the bound tau x target-only
+    step / drafter step (prefill and ragged ends left out) for each drafter."""
+    rows = [r for r in records if r.get("prompt_set", "heldout") == prompt_set]
+    plain = [r for r in rows if r.get("schedule") is None]
+    base = {(r["batch"], r["batching"]): r["tokens_per_s"] for r in plain if r["method"] == "target_only"}
     fig = go.Figure()
     for method in methods:
-        for batching, dash in BATCHING_DASH.items():
+        runs = [(f"{method}, {b}", dash, [r for r in plain if r["batching"] == b]) for b, dash in BATCHING_DASH.items()]
+        runs.append((f"{method}, scheduled", "dashdot", [r for r in rows if r.get("schedule")]))
+        for name, dash, picked in runs:
             best = {}
-            for r in rows:
-                if r["method"] == method and r["batching"] == batching and (r["batch"], batching) in base:
-                    x = r["tokens_per_s"] / base[r["batch"], batching]
+            for r in picked:
+                if r["method"] == method and (r["batch"], r["batching"]) in base:
+                    x = r["tokens_per_s"] / base[r["batch"], r["batching"]]
                     best[r["batch"]] = max(best.get(r["batch"], 0.0), x)
-            if batching == "static" and 1 in best and (1, "continuous") in base:
+            if name.endswith("static") and 1 in best and (1, "continuous") in base:
                 best.pop(1)  # at concurrency 1 the two batchings admit alike: drawn once
             if best:
                 cs = sorted(best)
-                fig.add_trace(go.Scatter(x=cs, y=[best[c] for c in cs], mode="lines+markers",
-                                         name=f"{method}, {batching}", line=dict(color=_color(method), dash=dash)))
-        bound = _bound(rows, phases or {}, method)
+                fig.add_trace(go.Scatter(x=cs, y=[best[c] for c in cs], mode="lines+markers", name=name,
+                                         line=dict(color=_color(method), dash=dash)))
+        bound = _bound(plain, phases or {}, method)
         if bound:
             cs = sorted(bound)
             fig.add_trace(go.Scatter(x=cs, y=[bound[c] for c in cs], mode="markers", name=f"{method}: step bound",

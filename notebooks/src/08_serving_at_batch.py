@@ -236,6 +236,27 @@ if lookup.num_speculative_tokens:
 # (`benchmarks/spec_decode_serving_ngram_gpu.md`, an H100: 1.28x target-only at 8 where the host's
 # rule gives 0.83x, still below target-only from 32 on).
 #
+# Served under the schedules: `bench serve --schedule-from` runs each method at its block and again
+# under the schedule recommended from the records, in one run (`benchmarks/spec_decode_serving_schedule.json`).
+# A drafter scheduled to K = 0 still appends its context K/V every step, as vLLM 0.33's DFlash speculator
+# does ("to keep the drafter in sync", `v1/worker/gpu/spec_decode/dflash/speculator.py:546-553`), so its
+# K = 0 step costs more than target-only's.
+
+# %%
+served = json.loads((BENCHMARKS_DIR / "spec_decode_serving_schedule.json").read_text())
+served_note = record_note(served)
+print(f"device {served['device']}; {served['command']}" + (f"\nwhose numbers: {served_note}" if served_note else ""))
+plain_target = {r["batch"]: r["tokens_per_s"] for r in served["records"]
+                if r["method"] == "target_only" and r.get("schedule") is None}
+for r in sorted((r for r in served["records"] if r.get("schedule")), key=lambda r: (r["method"], r["batch"])):
+    at_block = max(q["tokens_per_s"] for q in served["records"] if q["method"] == r["method"]
+                   and q["batch"] == r["batch"] and q.get("schedule") is None)
+    base = plain_target[r["batch"]]
+    print(f"{r['method']:<17} concurrency {r['batch']:>2}: scheduled {r['tokens_per_s'] / base:.2f}x target-only, "
+          f"at its block {at_block / base:.2f}x; schedule {r['schedule']}")
+viz.serving_speedup_figure(served["records"], title=f"Served under the recommended schedules ({served['device']})")
+
+# %% [markdown]
 # ## Answer
 
 # %%
