@@ -96,7 +96,8 @@ def _launch(h, d, shared, scale: float, norm, k: int):
 
 
 # Whether a one-row GEMV launch that produces a tail's delta runs the tail too (``producer_tail``): its last
-# program to finish adds and norms, so the tail is no launch of its own. Benchmarks time both.
+# program to finish adds and norms, so the tail is no launch of its own. Benchmarks time both; off, as on an H100
+# it made XS.2's token slower (3.270 against 3.180 ms, benchmarks/gemv_shape_tiles_h100.md).
 IN_PRODUCER = False
 
 
