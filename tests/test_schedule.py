@@ -376,3 +376,12 @@ def test_scheduled_runs_are_reported_beside_the_unscheduled_ones():
         for c in {r["batch"] for r in record["records"]}:
             row = best["heldout", f"{method} (scheduled)", c]
             assert f"| {c} | continuous | {method} (scheduled) | {row['block_size']} | {row['tokens_per_s']:.0f} |" in md
+    from dflash_lab.viz.serving import serving_speedup_figure
+
+    fig = serving_speedup_figure(record["records"])
+    base = {r["batch"]: r["tokens_per_s"] for r in record["records"] if r["method"] == "target_only"}
+    for method in schedules:
+        trace = next(t for t in fig.data if t.name == f"{method}, scheduled")
+        assert trace.line.dash == "dashdot"
+        assert list(trace.y) == [best["heldout", f"{method} (scheduled)", c]["tokens_per_s"] / base[c]
+                                 for c in trace.x]
