@@ -470,6 +470,25 @@ def test_a_k0_step_skips_the_drafters_query_pass_and_keeps_its_context_kv_as_vll
 
 
 
+def test_a_k0_step_of_prompt_lookup_on_the_device_launches_target_onlys_kernels(small_pair):
+    """Where a schedule turns the device prompt lookup off (K = 0) its step is target-only's, kernel for kernel
+    (counted by op on the CPU): a server loses nothing to a method it stopped running."""
+    from dflash_lab.measure.launches import count_launches
+
+    target, _ = small_pair
+    prompts = [torch.tensor(p * 3) for p in PROMPTS]
+    seen = {}
+    for name, proposer, block in (("target_only", None, 1), ("ngram_gpu", "ngram_gpu", 8)):
+        dec = FastDecoder(target, proposer, batch=3, block_size=block, capacity=64, cuda_graphs=False,
+                          widths=[1] if block > 1 else ())
+        with torch.no_grad():
+            dec.prefill(prompts, 8)
+            dec.step_at(1)()  # one-off work outside the count
+            with count_launches() as seen[name]:
+                dec.step_at(1)()
+    assert seen["ngram_gpu"].total > 0 and seen["ngram_gpu"].by_name == seen["target_only"].by_name
+
+
 def test_a_narrower_step_drafts_the_whole_block_and_keeps_its_first_k_as_vllm_does(shipped):
     """At 0 < K < block - 1 vLLM 0.33's DFlash speculator still runs its 1 + num_speculative_tokens queries
     (dflash/speculator.py:565-574) and drops the drafts past K (model_runner.py:2324-2325). The shipped drafter

@@ -166,7 +166,7 @@ class FastDecoder:
             g = self.ngram
             self.drafts[:, :width - 1].copy_(ngram_gpu_drafts(self.tokens, self.pos + 1, self.last, k=width - 1,
                                                               min_n=g.prompt_lookup_min, max_n=g.prompt_lookup_max))
-        if self.dft is not None or self.ngram is not None:
+        if (self.dft is not None or self.ngram is not None) and width > 1:  # at K = 0 no use of n_draft survives K
             # drafts at positions below max_position_embeddings only (vLLM's scheduler, the eager loop)
             torch.clamp(self.max_pos - 1 - self.pos, min=0, max=width - 1, out=self.n_draft)
 
