@@ -41,19 +41,19 @@ def serving_speedup_figure(records, *, phases: dict | None = None, prompt_set: s
     base = {(r["batch"], r["batching"]): r["tokens_per_s"] for r in plain if r["method"] == "target_only"}
     fig = go.Figure()
     for method in methods:
-        runs = [(f"{method}, {b}", dash, [r for r in plain if r["batching"] == b]) for b, dash in BATCHING_DASH.items()]
-        runs.append((f"{method}, scheduled", "dashdot", [r for r in rows if r.get("schedule")]))
-        for name, dash, picked in runs:
+        runs = [(b, dash, [r for r in plain if r["batching"] == b]) for b, dash in BATCHING_DASH.items()]
+        runs.append(("scheduled", "dashdot", [r for r in rows if r.get("schedule")]))
+        for label, dash, picked in runs:
             best = {}
             for r in picked:
                 if r["method"] == method and (r["batch"], r["batching"]) in base:
                     x = r["tokens_per_s"] / base[r["batch"], r["batching"]]
                     best[r["batch"]] = max(best.get(r["batch"], 0.0), x)
-            if name.endswith("static") and 1 in best and (1, "continuous") in base:
+            if label == "static" and 1 in best and (1, "continuous") in base:
                 best.pop(1)  # at concurrency 1 the two batchings admit alike: drawn once
             if best:
                 cs = sorted(best)
-                fig.add_trace(go.Scatter(x=cs, y=[best[c] for c in cs], mode="lines+markers", name=name,
+                fig.add_trace(go.Scatter(x=cs, y=[best[c] for c in cs], mode="lines+markers", name=f"{method}, {label}",
                                          line=dict(color=_color(method), dash=dash)))
         bound = _bound(plain, phases or {}, method)
         if bound:

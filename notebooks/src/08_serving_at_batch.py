@@ -31,7 +31,7 @@ import torch
 from dflash_lab import viz, widgets
 from dflash_lab.assets import default_device, heldout_prompts, load_default_pair, record_note
 from dflash_lab.measure.decoding import measurements_from_record
-from dflash_lab.measure.serving import request_stream, time_split
+from dflash_lab.measure.serving import best_blocks, request_stream, time_split
 from dflash_lab.runtime import BENCHMARKS_DIR, REPO_ROOT, device_name, drafter_path, seed_everything
 from dflash_lab.spec_decode.fast.decoder import FastDecoder
 from dflash_lab.spec_decode.fast.serving import serve
@@ -246,14 +246,12 @@ if lookup.num_speculative_tokens:
 served = json.loads((BENCHMARKS_DIR / "spec_decode_serving_schedule.json").read_text())
 served_note = record_note(served)
 print(f"device {served['device']}; {served['command']}" + (f"\nwhose numbers: {served_note}" if served_note else ""))
-plain_target = {r["batch"]: r["tokens_per_s"] for r in served["records"]
-                if r["method"] == "target_only" and r.get("schedule") is None}
-for r in sorted((r for r in served["records"] if r.get("schedule")), key=lambda r: (r["method"], r["batch"])):
-    at_block = max(q["tokens_per_s"] for q in served["records"] if q["method"] == r["method"]
-                   and q["batch"] == r["batch"] and q.get("schedule") is None)
-    base = plain_target[r["batch"]]
-    print(f"{r['method']:<17} concurrency {r['batch']:>2}: scheduled {r['tokens_per_s'] / base:.2f}x target-only, "
-          f"at its block {at_block / base:.2f}x; schedule {r['schedule']}")
+served_best = best_blocks(served["records"])  # a scheduled run is its own "<method> (scheduled)"
+for (s, method, c), r in sorted(served_best.items()):
+    if r.get("schedule"):
+        base = served_best[s, "target_only", c]["tokens_per_s"]
+        print(f"{r['method']:<17} concurrency {c:>2}: scheduled {r['tokens_per_s'] / base:.2f}x target-only, "
+              f"at its block {served_best[s, r['method'], c]['tokens_per_s'] / base:.2f}x; schedule {r['schedule']}")
 viz.serving_speedup_figure(served["records"], title=f"Served under the recommended schedules ({served['device']})")
 
 # %% [markdown]
