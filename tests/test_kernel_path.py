@@ -5,7 +5,8 @@ One subprocess (``TRITON_INTERPRET=1``, ``DFLASH_LAB_FUSED=1``) serves both ques
 - lossless: with the kernels (fused attention, router, one-kernel layout, gathered experts with silu on
   load, residual + norm tails, q/k norm + RoPE + cache write, the one-row GEMVs, the DDTree beam search)
   both shipped drafters' fast generation, chain and tree, equals ``target.generate`` token for token in
-  float32, and its draft counters equal the eager loop's;
+  float32, and its draft counters equal the eager loop's; so does a served stream whose refill rides in
+  the steps (``chunked_fill``);
 - cheaper: each phase of a step launches fewer kernels with the kernels than without (``measure.launches``,
   the switch turned off in the same process), and no phase reads a device value on the host (a graphed
   step could not hold one).
@@ -43,6 +44,18 @@ for name, drafter in (("paper", paper), ("poolside", poolside)):
         "equal_generate": torch.equal(tree.output_ids[0], ref),
         "counters": [[tree.stats.num_drafts, tree.stats.num_accepted_tokens],
                      [eager_tree.stats.num_drafts, eager_tree.stats.num_accepted_tokens]]}
+# refills carried by the steps (``chunked_fill``): three requests through two rows, the third prompt verified a
+# chunk at a time inside the steps (the accept kernel, then the chunk's advance)
+from dflash_lab.spec_decode.fast.serving import serve
+stream = [prompt, prompt[:13], prompt[4:]]
+refs = [target.generate(p[None], max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)[0]
+        for p in stream]
+for name, drafter in (("paper", paper), ("poolside", poolside)):
+    dec = FastDecoder(target, drafter, batch=2, block_size=16, capacity=64, cuda_graphs=False, chunked_fill=True)
+    run = serve(dec, stream, max_new_tokens=6, refill="chunked")
+    out["lossless"][name + " chunked refill"] = {
+        "equal_generate": all(torch.equal(r.result.output_ids[0], e) for r, e in zip(run.requests, refs)),
+        "counters": [[sum(r.result.stats.num_drafts for r in run.requests)] * 2, [run.fills, len(dec.prefills)]]}
 # the residual tails inside their one-row producers (``residual.IN_PRODUCER``): a target-only step at batch 1 is
 # a one-row forward (so is a drafter's step where a schedule gives it K = 0; that runs outside CI: minutes here)
 from dflash_lab.measure.launches import count_launches
@@ -69,6 +82,9 @@ def test_kernels_on_are_lossless_and_launch_fewer_kernels_per_phase(interpreted)
     out = interpreted(SCRIPT, "kernel_path.py")
     for name, row in out["lossless"].items():
         assert row["equal_generate"], f"{name}: the kernel path's tokens differ from target.generate"
+        if name.endswith("chunked refill"):  # two fills (the first batch, then the third request), one a forward
+            assert row["counters"][1] == [2, 1] and row["counters"][0][0] > 0, f"{name}: {row['counters']}"
+            continue
         fast, eager = row["counters"]
         assert fast == eager, f"{name}: drafts/accepted {fast} on the kernel path, {eager} in the eager loop"
         assert fast[0] > 0, f"{name}: no draft was verified"

@@ -59,7 +59,7 @@ EXTRA_KEYS = {"static": ("cuda_graphs", "batch_steps", "ms_per_batch_step", "set
               "serving": ("batching", "cuda_graphs", "batch_steps", "requests", "max_new_tokens", "request_throughput",
                           *(f"{s}_{m}_ms" for m in ("ttft", "tpot", "e2el") for s in ("mean", "median", "p99")),
                           "request_steps", "static_batch_steps", "refill_at", "read_behind", "schedule", "moe",
-                          "measured", "bursts", "fills"),
+                          "measured", "bursts", "fills", "refill"),
               "tree": ("path", "tree_budget", "accepted_per_node", "per_position_acceptance_rate", "cuda_graphs",
                        "batch_steps", "ms_per_batch_step", "step_ms", "verify_ms", "moe", "measured")}
 

@@ -12,6 +12,8 @@ One record per (method, block size, concurrency, batching), built by ``measure.d
     request_steps        each request's own target forwards after its prefill, in stream order
     static_batch_steps   static batching: the steps each batch ran (its slowest request's), in order
     outputs_equal_target_only   requests whose tokens equal target-only's at the same concurrency
+    refill               "prefill" (a freed row's request gets its own prefill forward) or "chunked" (its
+                         prompt rides in the next steps, ``spec_decode.fast.chunked_fill``; continuous only)
 
 Every configuration first serves the whole stream for 2 tokens (each prompt length's prefill graph is
 captured then, outside the clock), then the stream for real. At concurrency 1 the two batchings admit
@@ -26,7 +28,7 @@ from datetime import datetime, timezone
 import torch
 
 from ..spec_decode.fast.decoder import FastDecoder
-from ..spec_decode.fast.serving import serve
+from ..spec_decode.fast.serving import REFILLS, serve
 from .decoding import EXTRA_KEYS, LOOKUP, timing_record
 
 BATCHINGS = ("continuous", "static")
@@ -63,19 +65,27 @@ def serving_methods(drafters: dict, block_sizes) -> list[tuple[str, object, int]
     return runs + [(m, p, b) for m, p in LOOKUP.items() for b in block_sizes]
 
 
+def chunkable(method: str, drafter, block: int) -> bool:
+    """Whether a refill's prompt can ride in this method's steps: drafted on the device, more than one token wide
+    (target-only's one-token step would carry a prompt a token a step; host prompt lookup reads every step)."""
+    return block > 1 and LOOKUP.get(method) != "ngram"
+
+
 def measure_serving(target, drafters: dict, prompts, *, concurrencies=CONCURRENCIES, block_sizes=(16,),
                     batchings=BATCHINGS, num_requests: int = NUM_REQUESTS, max_new_tokens: int,
                     prompt_set: str = "heldout", cuda_graphs: bool = True, refill_at=None, schedules=None,
-                    read_behind: bool = False, progress=print, on_record=None) -> list[dict]:
+                    read_behind: bool = False, refills=("prefill",), progress=print, on_record=None) -> list[dict]:
     """Serve a stream of ``num_requests`` (``prompts`` cycled) at every concurrency, for target-only, every
     drafter ({method: drafter}) and prompt lookup at every block size, under each batching; see the module
     docstring. ``refill_at``: continuous batching refills once this many rows are free (a function of the
     concurrency, or None: 1, vLLM's rule; ``serving.serve``), and ``read_behind`` as there. ``schedules``:
     {method: SpeculationSchedule}: that method also runs continuously at the schedule's K per running batch
-    (its record's ``schedule``)."""
-    unknown = set(batchings) - set(BATCHINGS)
-    if unknown:
-        raise ValueError(f"batchings must be among {BATCHINGS}, got {sorted(unknown)}")
+    (its record's ``schedule``). ``refills``: with "chunked", each method whose step drafts on the device also
+    serves continuously on a decoder built with ``chunked_fill`` (its own graphs: the prefill runs keep theirs)."""
+    unknown = (set(batchings) - set(BATCHINGS)) | (set(refills) - set(REFILLS))
+    if unknown or not refills:
+        raise ValueError(f"batchings must be among {BATCHINGS} and refills among {REFILLS}, got "
+                         f"{sorted(batchings)}, {sorted(refills)}")
     p = next(target.parameters())
     device, dtype = p.device, str(p.dtype).replace("torch.", "")
     stream = request_stream([torch.as_tensor(q).reshape(-1) for q in prompts], num_requests)
@@ -85,15 +95,19 @@ def measure_serving(target, drafters: dict, prompts, *, concurrencies=CONCURRENC
     for c in concurrencies:
         runs = [(m, d, b, None) for m, d, b in serving_methods(drafters, block_sizes)]
         runs += [(m, {**drafters, **LOOKUP}[m], max(s.ks) + 1, s) for m, s in (schedules or {}).items()]
-        for method, drafter, block, schedule in runs:
+        runs = [(*r, refill) for refill in refills for r in runs if refill == "prefill" or chunkable(*r[:3])]
+        for method, drafter, block, schedule, refill in runs:
+            chunked = refill == "chunked"
             dec = FastDecoder(target, drafter, batch=c, block_size=block, capacity=capacity, cuda_graphs=cuda_graphs,
-                              widths=[k + 1 for k in schedule.ks] if schedule else ())
-            capture_fills(dec, stream)  # warm-up: every (rows, width) prefill graph captured outside the clock
-            serve(dec, stream, max_new_tokens=2)
-            for batching in (batchings if c > 1 else batchings[:1]) if schedule is None else ("continuous",):
+                              widths=[k + 1 for k in schedule.ks] if schedule else (), chunked_fill=chunked)
+            if not chunked:  # a chunked stream prefills its first batch only, which the warm-up stream captures
+                capture_fills(dec, stream)  # warm-up: every (rows, width) prefill graph captured outside the clock
+            serve(dec, stream, max_new_tokens=2, refill=refill)
+            one = schedule is not None or chunked  # continuous only
+            for batching in ("continuous",) if one else batchings if c > 1 else batchings[:1]:
                 at = 1 if refill_at is None or batching == "static" else max(1, min(c, refill_at(c)))
                 run = serve(dec, stream, max_new_tokens=max_new_tokens, policy=batching, refill_at=at,
-                            schedule=schedule)
+                            schedule=schedule, refill=refill)
                 outputs = [r.result.new_token_ids for r in run.requests]
                 reference.setdefault((c, batching), outputs)  # target-only runs first
                 m = run.metrics()
@@ -108,7 +122,7 @@ def measure_serving(target, drafters: dict, prompts, *, concurrencies=CONCURRENC
                                     **{k: m[k] for k in EXTRA_KEYS["serving"] if k in m})
                 records.append(rec)
                 progress(f"  concurrency {c:>2} {batching:10s} {method:15s} block {block:>2}"
-                         f"{' scheduled' if schedule else ''}: "
+                         f"{' scheduled' if schedule else ''}{' chunked' if chunked else ''}: "
                          f"{rec['tokens_per_s']:9.1f} tok/s  tau {rec['mean_acceptance_length']}  "
                          f"{rec['batch_steps']:>5} steps  e2el {rec['mean_e2el_ms']:.1f} ms  "
                          f"same as target-only {rec['outputs_equal_target_only']}")
@@ -136,14 +150,21 @@ def serving_speedups(records) -> list[dict]:
     return out
 
 
+def run_label(record: dict) -> str:
+    """The method as the tables name a run: "<method>", "<method> (scheduled)" (K followed the running batch),
+    "<method> (chunked)" (refills rode in the steps), or both."""
+    how = [w for w, on in (("scheduled", record.get("schedule")), ("chunked", record.get("refill") == "chunked")) if on]
+    return record["method"] + (f" ({', '.join(how)})" if how else "")
+
+
 def best_blocks(records, batching: str = "continuous") -> dict:
-    """{(prompt_set, method, concurrency): the record with the most tokens/s over the block sizes}. A run under a
-    per-batch schedule is its own method, "<method> (scheduled)": its K followed the batch, not its block."""
+    """{(prompt_set, label, concurrency): the record with the most tokens/s over the block sizes}, the label
+    ``run_label``'s: a scheduled or chunked run is its own row, never a method's best block."""
     best = {}
     for r in records:
         if r["batching"] != batching:
             continue
-        k = (r.get("prompt_set", "heldout"), r["method"] + (" (scheduled)" if r.get("schedule") else ""), r["batch"])
+        k = (r.get("prompt_set", "heldout"), run_label(r), r["batch"])
         if k not in best or r["tokens_per_s"] > best[k]["tokens_per_s"]:
             best[k] = r
     return best
@@ -152,11 +173,12 @@ def best_blocks(records, batching: str = "continuous") -> dict:
 def time_split(record: dict, prompt_set: str = "heldout") -> list[dict]:
     """Where each continuous run's wall time went, for the methods and blocks the record's ``phases`` timed:
     its batch steps at the whole step's graphed time, and the rest (refills, the host's reads of the rows'
-    state and its decisions). occupancy: the share of row-steps that served a live request."""
+    state and its decisions). occupancy: the share of row-steps that served a live request. Scheduled and chunked
+    runs are left out: their steps are not the timed step."""
     phases, out = record.get("phases", {}), []
     for r in record["records"]:
         p = phases.get(str(r["batch"]), {}).get(r["method"])
-        if (r["batching"] != "continuous" or r.get("schedule") or r.get("prompt_set", "heldout") != prompt_set
+        if (r["batching"] != "continuous" or run_label(r) != r["method"] or r.get("prompt_set", "heldout") != prompt_set
                 or not p or p["block_size"] != r["block_size"]):
             continue
         in_steps = r["batch_steps"] * p["whole_step_ms"] / 1e3

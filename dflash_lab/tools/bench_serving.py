@@ -25,13 +25,14 @@ from ..measure.decoding import LOOKUP, PROMPT_SETS, drafter_methods, measurement
 from ..measure.decoding import phase_breakdown
 from ..measure.serving import BATCHINGS, CONCURRENCIES, NUM_REQUESTS, best_blocks, measure_serving, request_stream
 from ..runtime import device_name, resolve_device
+from ..spec_decode.fast.serving import REFILLS
 from ..spec_decode.schedule import SpeculationSchedule, recommend_schedule
 from .bench_common import OUT_HELP, pair_out_dir, write_results
 from .bench_spec_decode import PROMPT_LENGTH, prompt_ids
 
 STEM = "spec_decode_serving"
 FLAGS_RECORDED = ("concurrency", "block_sizes", "requests", "prompt_set", "batching", "refill_at", "schedule_from",
-                  "read_behind")
+                  "read_behind", "refill")
 
 
 def serving_markdown(result: dict) -> str:
@@ -137,6 +138,7 @@ def serving(args) -> int:
                                 num_requests=requests, max_new_tokens=max_new, prompt_set=s,
                                 batchings=BATCHINGS if args.batching == "both" else (args.batching,),
                                 refill_at=parse_refill_at(args.refill_at), read_behind=args.read_behind,
+                                refills=REFILLS if args.refill == "both" else (args.refill,),
                                 schedules=schedules_from(args.schedule_from, s, [*methods, *LOOKUP],
                                                          max(concurrencies)),
                                 progress=lambda line: print(line, flush=True), on_record=on_record)
@@ -174,6 +176,10 @@ def add_command(subparsers) -> None:
                                        "concurrency over N (default 1, vLLM's rule)")
     p.add_argument("--read-behind", action="store_true", help="CUDA: read the rows' state one step behind, as "
                                                               "vLLM's async scheduling does (serving.serve)")
+    p.add_argument("--refill", choices=[*REFILLS, "both"], default="prefill",
+                   help="how a freed row takes its next request: its own prefill forward, or chunked (its prompt "
+                        "rides in the next steps, as vLLM mixes prefill and decode tokens; continuous, drafted on "
+                        "the device); both: each drafter runs both ways")
     p.add_argument("--device", default=None)
     p.add_argument("--out", default=None, help=OUT_HELP)
     p.set_defaults(func=serving)

@@ -11,6 +11,7 @@ import plotly.graph_objects as go
 from dflash_lab.viz.common import PALETTE, titled
 
 BATCHING_DASH = {"continuous": "solid", "static": "dot"}
+VARIANT_DASH = {"scheduled": "dashdot", "chunked": "longdash", "scheduled, chunked": "longdashdot"}  # continuous
 COLORS = {"dflash": PALETTE["blue"], "dflash_poolside": PALETTE["green"], "prompt_lookup": PALETTE["orange"],
           "prompt_lookup_gpu": PALETTE["red"]}
 
@@ -33,16 +34,20 @@ def straggler_figure(request_steps, concurrency: int, *, title: str | None = Non
 def serving_speedup_figure(records, *, phases: dict | None = None, prompt_set: str = "heldout",
                            methods=tuple(COLORS), title: str | None = None) -> go.Figure:
     """Speed-up over target-only (same concurrency and batching; each method at its best block) against the
-    concurrency, continuous (solid) and static (dotted), and served under a per-batch schedule (dash-dot) where
-    the records hold such runs; with ``phases`` ({concurrency: {method: phase row}}), the bound tau x target-only
-    step / drafter step (prefill and ragged ends left out) for each drafter."""
+    concurrency, continuous (solid) and static (dotted), and where the records hold such runs, served under a
+    per-batch schedule (dash-dot), with refills carried by the steps (long dashes) or both; with ``phases``
+    ({concurrency: {method: phase row}}), the bound tau x target-only step / drafter step (prefill and ragged
+    ends left out) for each drafter."""
+    from dflash_lab.measure.serving import run_label  # a record's own reading, above the figures
+
     rows = [r for r in records if r.get("prompt_set", "heldout") == prompt_set]
-    plain = [r for r in rows if r.get("schedule") is None]
+    plain = [r for r in rows if run_label(r) == r["method"]]
     base = {(r["batch"], r["batching"]): r["tokens_per_s"] for r in plain if r["method"] == "target_only"}
     fig = go.Figure()
     for method in methods:
         runs = [(b, dash, [r for r in plain if r["batching"] == b]) for b, dash in BATCHING_DASH.items()]
-        runs.append(("scheduled", "dashdot", [r for r in rows if r.get("schedule")]))
+        runs += [(v, dash, [r for r in rows if run_label(r) == f"{r['method']} ({v})"])
+                 for v, dash in VARIANT_DASH.items()]
         for label, dash, picked in runs:
             best = {}
             for r in picked:

@@ -44,7 +44,7 @@ import math
 import torch
 
 from ...runtime import first_parameter, is_int
-from . import readback, triton_ops
+from . import chunked_fill as chunked_fill_ops, host_drafting, readback, triton_ops
 from .accept import accept_step
 from .cuda_graphs import GraphedStep, new_pool
 from ..loop import SpecDecodeResult
@@ -73,7 +73,8 @@ class FastDecoder:
     """
 
     def __init__(self, target, drafter=None, *, batch: int, block_size: int, capacity: int, cuda_graphs: bool = True,
-                 moe: str = "auto", phase_graphs: bool = False, widths=(), tree_budget: int | None = None):
+                 moe: str = "auto", phase_graphs: bool = False, widths=(), tree_budget: int | None = None,
+                 chunked_fill: bool = False):
         self.proposer = proposer = resolve_drafter(drafter)
         # a block above the trained one runs, as in vLLM (it never reads block_size)
         block_size = check_block_size(block_size, proposer) if proposer.proposes else 1
@@ -93,7 +94,10 @@ class FastDecoder:
         self.dft = proposer.device_session(target, batch=batch, capacity=capacity + slack, block_size=block_size)
         self.lookup = proposer if proposer.proposes and self.dft is None and not proposer.drafts_on_device else None
         self.ngram = proposer if proposer.drafts_on_device else None  # prompt lookup drafted in the step
+        if chunked_fill:
+            chunked_fill_ops.check(self, phase_graphs)
         self.capacity = capacity
+        self._lengths, self._max_new, self.host_steps = {}, {}, 0  # row -> prompt length, max_new_tokens (host)
         self.max_pos = target.config.max_position_embeddings  # a sequence ends there, as on the eager loop
         z = lambda *s, dt=torch.long: torch.zeros(s, dtype=dt, device=self.device)  # noqa: E731
         S, K = self.tgt.capacity, block_size - 1
@@ -101,6 +105,9 @@ class FastDecoder:
         self.tokens = z(batch, S + block_size)  # every sequence's ids at their positions
         self.pos, self.last, self.limit = z(batch), z(batch), z(batch)  # t, x_t, position of the final token
         self.active = z(batch, dt=torch.bool)
+        # a row being filled through the steps (``chunked_fill``): its prompt, and its length while pos < it
+        self.fill_len = z(batch)
+        self.fill_ids = z(batch, S + block_size + 1) if chunked_fill else None
         self.stop_ids = torch.full((MAX_STOP_TOKENS,), -1, dtype=torch.long, device=self.device)  # -1: unused
         self.offsets = torch.arange(block_size, device=self.device)
         # per-step values passed between the phases
@@ -144,8 +151,8 @@ class FastDecoder:
     # --- state -----------------------------------------------------------------
     def _reset(self) -> None:
         """A valid state to warm up and capture from (positions 0, everything inactive)."""
-        for t in (self.pos, self.last, self.limit, self.tokens, self.n_steps, self.n_drafts, self.draft_log,
-                  self.accepted_log, self.block_pos, self.drafts):
+        for t in (self.pos, self.last, self.limit, self.fill_len, self.tokens, self.n_steps, self.n_drafts,
+                  self.draft_log, self.accepted_log, self.block_pos, self.drafts):
             t.zero_()
         self.active.zero_()
 
@@ -173,6 +180,8 @@ class FastDecoder:
     def _verify(self, width: int | None = None) -> None:
         width = width or self.B
         ids = torch.cat([self.last[:, None], self.drafts[:, :width - 1]], dim=1)  # (b, width)
+        if self.fill_ids is not None:  # a row being filled verifies its prompt's next chunk instead
+            ids = chunked_fill_ops.block_ids(self, ids, width)
         logits, aux = self.tgt.forward(ids, self.block_pos[:, :width])
         self.argmax[:, :width].copy_(logits.argmax(dim=-1))
         if aux is not None:
@@ -214,6 +223,8 @@ class FastDecoder:
         self._verify(width)
         self._append(width)
         self._accept(width)
+        if self.fill_ids is not None:
+            chunked_fill_ops.advance(self, width or self.B)
 
     def step_at(self, width: int) -> GraphedStep:
         """The graphed step that verifies ``width`` tokens per row (a schedule's K + 1), captured once."""
@@ -258,8 +269,8 @@ class FastDecoder:
         self.last.index_copy_(0, rows, first)
         self.limit.index_copy_(0, rows, (length + max_new - 1).clamp(max=self.max_pos - 1))  # the last fillable
         self.active.index_copy_(0, rows, (length < self.limit[rows]) & ~(first[:, None] == self.stop_ids).any(-1))
-        for counter in (self.n_steps, self.n_drafts):  # each request counts its own steps and drafts
-            counter.index_fill_(0, rows, 0)
+        for counter in (self.n_steps, self.n_drafts) + ((self.fill_len,) if self.fill_ids is not None else ()):
+            counter.index_fill_(0, rows, 0)  # each request counts its own steps and drafts; no chunk left
 
     def prefill_width(self, longest: int) -> int:
         """The padded length a batch whose longest prompt has ``longest`` tokens is prefilled at."""
@@ -274,11 +285,12 @@ class FastDecoder:
         self.host_steps = 0  # batch steps of this generation
         self.fill(dict(enumerate(prompts)), max_new_tokens, stop_token_ids)
 
-    def fill(self, rows: dict[int, torch.Tensor], max_new_tokens, stop_token_ids=()) -> None:
+    def fill(self, rows: dict[int, torch.Tensor], max_new_tokens, stop_token_ids=(), chunked: bool = False) -> None:
         """Prefill ``rows`` {row: prompt (T,)} while every other row goes on as it was (continuous batching).
 
         ``max_new_tokens``: one for every row, or {row: its own} (a request's ``max_tokens``). The stop
-        tokens are the decoder's for every row from here on.
+        tokens are the decoder's for every row from here on. ``chunked`` (a decoder built with ``chunked_fill``):
+        no prefill forward; the next steps verify each prompt a chunk at a time (``chunked_fill``).
         """
         lengths = {b: int(p.shape[-1]) for b, p in rows.items()}
         if not rows or not all(is_int(b) and 0 <= b < self.batch for b in rows):
@@ -298,6 +310,13 @@ class FastDecoder:
             raise ValueError(f"at most {MAX_STOP_TOKENS} stop_token_ids, got {len(stops)}")
         self._max_new.update({b: max_new[b] for b in rows})
         self.stop = set(stops)
+        if chunked:
+            if self.fill_ids is None:
+                raise ValueError("a chunked fill needs a decoder built with chunked_fill=True")
+            self.stop_ids.copy_(torch.tensor(stops + [-1] * (MAX_STOP_TOKENS - len(stops))))
+            chunked_fill_ops.stage(self, rows, lengths, max_new)
+            self._lengths.update(lengths)
+            return
         # everything the prefill graph reads, in two copies: the prompts (right-padded, compacted) and one meta
         # vector; a bucket of n >= the rows filled (powers of two, and the batch) keeps the graphs few
         n = next(k for k in self.fill_buckets if k >= len(rows))
@@ -353,45 +372,6 @@ class FastDecoder:
             if remaining <= 0:
                 remaining = int(self._remaining())  # a sync: the exact count
 
-    def host_rows(self, rows) -> dict[int, list[int]]:
-        """After a fill, for drafting on the host: each live row of ``rows`` {row: prompt} -> its tokens so far
-        (the prompt and the first token)."""
-        state = torch.stack([self.last, self.active.long()], 1).tolist()
-        return {b: p.reshape(-1).tolist() + [state[b][0]] for b, p in rows.items() if state[b][1]}
-
-    def live_tokens(self, rows) -> dict[int, list[int]]:
-        """Each live row of ``rows`` -> its tokens so far, read back (host drafting resumes after device steps)."""
-        rows = list(rows)
-        S = self.tokens.shape[1]
-        back = torch.cat([self.tokens, self.pos[:, None], self.active[:, None].long()], 1)[rows].tolist()
-        return {b: r[:r[S] + 1] for b, r in zip(rows, back) if r[S + 1]}
-
-    def host_step(self, seqs: dict[int, list[int]], width: int | None = None) -> list[int]:
-        """One host-drafted step (prompt lookup) of ``width`` (default B): drafts from each live row's tokens
-        ``seqs`` {row: tokens}, verified on the device, read back into ``seqs``; returns the rows that
-        finished (gone from ``seqs``)."""
-        width = width or self.B
-        K, host_drafts, host_n = width - 1, self._host_drafts, self._host_n
-        host_n.zero_()
-        for b, s in seqs.items():
-            d = self.lookup.propose(s, min(K, self.max_pos - len(s)))[:K]
-            host_n[b] = len(d)
-            if d:
-                host_drafts[b, :len(d)] = torch.tensor(d)
-        self.drafts.copy_(host_drafts, non_blocking=True)
-        self.n_draft.copy_(host_n, non_blocking=True)
-        (self.step_at(width) if bool(host_n.any()) else self.step_plain)()
-        self.host_steps += 1
-        back = torch.cat([self.argmax, self.pos[:, None], self.active[:, None].long()], 1).tolist()
-        finished = []
-        for b, s in list(seqs.items()):
-            new_pos, still = back[b][-2], back[b][-1]
-            s.extend(back[b][:new_pos - (len(s) - 1)])  # argmax 0 .. n
-            if not still:
-                finished.append(b)
-                del seqs[b]
-        return finished
-
     @torch.no_grad()
     def generate(self, prompts: list[torch.Tensor], *, max_new_tokens: int,
                  stop_token_ids=()) -> list[SpecDecodeResult]:
@@ -403,9 +383,9 @@ class FastDecoder:
                     for p in prompts]
         self.prefill(prompts, max_new_tokens, stop)
         if self.lookup is not None:  # host-driven: draft from each sequence's tokens, verify, read back, repeat
-            seqs = self.host_rows(dict(enumerate(prompts)))
+            seqs = host_drafting.host_rows(self, dict(enumerate(prompts)))
             while seqs:
-                self.host_step(seqs)
+                host_drafting.host_step(self, seqs)
         else:
             self._run_on_device()
         return self.results(range(len(prompts)))

@@ -21,7 +21,7 @@ Between reads the host replays ceil(r / B) steps, r the fewest tokens any runnin
 has to emit: no request can end sooner (a step emits at most B tokens per row), so a row idles only
 after a stop token. A refill needs no read after it: the new rows' counts are their limits, the others'
 are the last read's, so the next burst is launched behind the refill and the device does not wait for the
-host. Prompt lookup drafts on the host and reads back every step (``host_step``).
+host. Prompt lookup drafts on the host and reads back every step (``host_drafting.host_step``).
 """
 
 from __future__ import annotations
@@ -37,9 +37,11 @@ import torch
 from ...runtime import is_int, synchronized_time
 from ..loop import SpecDecodeResult
 from ..stats import SpecDecodeStats
+from . import chunked_fill, host_drafting
 from .decoder import FastDecoder
 
 POLICIES = ("continuous", "static")
+REFILLS = ("prefill", "chunked")  # a refill's own prefill forward, or its prompt carried by the steps
 
 
 @dataclass
@@ -50,7 +52,7 @@ class Request:
     row: int  # the decoder row that served it
     result: SpecDecodeResult
     admitted_s: float  # when its prefill was launched (the time it waited for a row)
-    first_token_s: float  # TTFT: its prefill done, the first token out
+    first_token_s: float  # TTFT: its prefill done, the first token out (chunked: the read that first saw it)
     finished_s: float  # E2EL: the host saw it finished (its last step done)
 
     @property
@@ -78,6 +80,7 @@ class ServeRun:
     widths: dict[int, int] = field(default_factory=dict)  # step width (K + 1) -> batch steps run at it
     bursts: int = 0  # host decisions that launched steps: each follows a read of the rows' state
     reads: int = 0  # reads of the rows' state from the device (none after a refill: the host knows it)
+    refill: str = "prefill"  # how a freed row took its next request (``REFILLS``)
 
     @property
     def tokens(self) -> int:
@@ -91,7 +94,7 @@ class ServeRun:
         """``vllm bench serve``'s summary: throughputs, and mean / median / p99 of TTFT, TPOT and E2EL in ms."""
         out = {"policy": self.policy, "concurrency": self.concurrency, "requests": len(self.requests),
                "tokens": self.tokens, "seconds": round(self.seconds, 4), "batch_steps": self.steps,
-               "bursts": self.bursts, "fills": self.fills, "reads": self.reads,
+               "bursts": self.bursts, "fills": self.fills, "reads": self.reads, "refill": self.refill,
                "request_throughput": round(len(self.requests) / self.seconds, 3),
                "output_throughput": round(self.tokens / self.seconds, 1)}
         series = {"ttft": [r.first_token_s for r in self.requests],
@@ -107,7 +110,7 @@ class ServeRun:
 
 @torch.no_grad()
 def serve(decoder: FastDecoder, prompts, *, max_new_tokens, stop_token_ids=(), policy: str = "continuous",
-          schedule=None, refill_at: int = 1, read_behind: bool = False) -> ServeRun:
+          schedule=None, refill_at: int = 1, read_behind: bool = False, refill: str = "prefill") -> ServeRun:
     """Serve ``prompts`` (each (T,) or (1, T)) at concurrency ``decoder.batch``; see the module docstring.
 
     ``max_new_tokens``: one for every request, or one per request (a list as long as ``prompts``).
@@ -116,9 +119,15 @@ def serve(decoder: FastDecoder, prompts, *, max_new_tokens, stop_token_ids=(), p
     decoder must hold a step for every K + 1 (``FastDecoder(widths=[k + 1 for k in schedule.ks])``).
     ``refill_at`` (continuous): refill once this many rows are free (or the queue has no more, or nothing
     runs). 1 is vLLM's rule; more shares one prefill among several requests, at the price of rows idling.
+    ``refill``: "prefill" (each refill its own forward) or "chunked" (the first batch is prefilled, a refilled
+    row's prompt then rides in the next steps, ``chunked_fill``; a decoder built with ``chunked_fill=True``).
     """
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+    if refill not in REFILLS:
+        raise ValueError(f"refill must be one of {REFILLS}, got {refill!r}")
+    if refill == "chunked" and decoder.fill_ids is None:
+        raise ValueError("refill='chunked' needs a FastDecoder built with chunked_fill=True")
     if not is_int(refill_at) or not 1 <= refill_at <= decoder.batch:
         raise ValueError(f"refill_at must be an integer in 1..{decoder.batch} (the batch), got {refill_at!r}")
     prompts = list(prompts)
@@ -138,6 +147,7 @@ def serve(decoder: FastDecoder, prompts, *, max_new_tokens, stop_token_ids=(), p
     running: dict[int, int] = {}  # row -> request index
     free: set[int] = set()  # rows that wait for a request
     admitted: dict[int, tuple] = {}  # request index -> (launched, its prefill's end: a device event on CUDA)
+    unseen: dict[int, int] = {}  # row -> its request, filled by chunks, whose first token no read has seen yet
     seqs: dict[int, list[int]] = {}  # host drafting: live row -> its tokens
     done: list[tuple] = []  # (request, row, result, finished)
     steps = fills = bursts = reads = 0
@@ -157,16 +167,19 @@ def serve(decoder: FastDecoder, prompts, *, max_new_tokens, stop_token_ids=(), p
         if not batch:
             return {}
         launched = clock.host()
+        chunked = fills > 0 and refill == "chunked"
         if fills == 0:
             decoder.prefill(list(batch.values()), limit, stop_token_ids)  # rows 0 .. n-1, all reset
         else:
-            decoder.fill(batch, limit, stop_token_ids)
+            decoder.fill(batch, limit, stop_token_ids, chunked=chunked)
         fills += 1
-        first = clock.mark()
+        first = None if chunked else clock.mark()
         for b in batch:
             admitted[running[b]] = (launched, first)
+            if chunked:
+                unseen[b] = running[b]
         if host and not stale:
-            seqs.update(decoder.host_rows(batch))
+            seqs.update(host_drafting.host_rows(decoder, batch))
         # the fewest tokens each new row has left (its limit, as ``FastDecoder._prefill`` sets it): known without a read
         return {b: min(len(p) + limit[b] - 1, decoder.max_pos - 1) - len(p) for b, p in batch.items()}
 
@@ -179,14 +192,20 @@ def serve(decoder: FastDecoder, prompts, *, max_new_tokens, stop_token_ids=(), p
         elif floor is not None:  # nothing ran since the last read but a refill: no read, no wait for the refill
             finished = []
         else:
-            active, remaining = peek.read()  # a burst's last step may still run: remaining is then an upper bound
+            # a burst's last step may still run: remaining is then an upper bound
+            active, remaining, filling = peek.read()
             reads += 1
+            for b in [b for b in unseen if not filling[b]]:  # its prompt's last chunk ran: its first token is out
+                admitted[unseen[b]] = (admitted[unseen[b]][0], clock.host())
+                del unseen[b]
             finished = [b for b in running if not active[b]]
             floor = {b: remaining[b] - peek.lag for b in running}
         if finished:
             now = clock.host()
             snap = decoder.snapshot(finished)  # copied back beside what follows; a refill may overwrite the rows
             ended = [(running.pop(b), b) for b in finished]
+            for b in finished:
+                unseen.pop(b, None)
             free.update(finished)
             filled = {}
             if not running or (policy == "continuous" and len(free) >= min(refill_at, len(waiting) or 1)):
@@ -202,8 +221,8 @@ def serve(decoder: FastDecoder, prompts, *, max_new_tokens, stop_token_ids=(), p
         width = width_for(len(running))
         if host and width > 1:
             if stale:
-                seqs, stale = decoder.live_tokens(running), False
-            decoder.host_step(seqs, width)
+                seqs, stale = host_drafting.live_tokens(decoder, running), False
+            host_drafting.host_step(decoder, seqs, width)
             k, floor = 1, None
         else:  # drafted on the device, or no drafts at all: bursts without a read-back
             if host and not stale:  # coming from host drafting: how far each row still has to go
@@ -222,14 +241,15 @@ def serve(decoder: FastDecoder, prompts, *, max_new_tokens, stop_token_ids=(), p
         bursts += 1
         widths[width] = widths.get(width, 0) + k
     seconds = clock.host(sync=True)
-    requests = sorted((Request(i, b, result, admitted[i][0], clock.resolve(admitted[i][1]), finished)
-                       for i, b, result, finished in done), key=lambda r: r.index)
+    first = {i: finished if admitted[i][1] is None else clock.resolve(admitted[i][1]) for i, _, _, finished in done}
+    requests = sorted((Request(i, b, result, admitted[i][0], first[i], finished) for i, b, result, finished in done),
+                      key=lambda r: r.index)
     return ServeRun(policy, decoder.batch, requests, seconds, steps, fills,
-                    sum((r.result.stats for r in requests), SpecDecodeStats()), widths, bursts, reads)
+                    sum((r.result.stats for r in requests), SpecDecodeStats()), widths, bursts, reads, refill)
 
 
 class _Peek:
-    """Each row's (active, tokens left) for the host's next decision.
+    """Each row's (live, tokens left, being filled) for the host's next decision.
 
     Off CUDA, without ``behind``, and after anything but a burst, ``read`` synchronises and is exact. On
     CUDA with ``behind`` a burst calls ``launch`` before its last step: the copy goes back while that step
@@ -242,12 +262,11 @@ class _Peek:
     def __init__(self, decoder: FastDecoder, behind: bool = True):
         self.decoder, self.pending, self.lag = decoder, 0, 0  # pending: the width of the step the copy misses
         cuda = decoder.device.type == "cuda" and behind
-        self.buf = torch.zeros((2, decoder.batch), dtype=torch.long, pin_memory=cuda)
+        self.buf = torch.zeros((3, decoder.batch), dtype=torch.long, pin_memory=cuda)
         self.event = torch.cuda.Event() if cuda else None
 
     def _state(self) -> torch.Tensor:
-        d = self.decoder
-        return torch.stack([d.active.long(), d.limit - d.pos])
+        return chunked_fill.row_state(self.decoder)
 
     def launch(self, width: int) -> None:
         """Copy the state back now; the caller launches one more step of ``width`` right after."""
@@ -256,8 +275,9 @@ class _Peek:
             self.event.record()
             self.pending = width
 
-    def read(self) -> tuple[list[int], list[int]]:
-        """(active, tokens left) per row; ``lag`` says by how many tokens a row may have moved since."""
+    def read(self) -> list[list[int]]:
+        """(live, tokens left, being filled) per row (``chunked_fill.row_state``); ``lag`` says by how many tokens
+        a row may have moved since."""
         self.lag, self.pending = self.pending, 0
         if self.lag:
             self.event.synchronize()
