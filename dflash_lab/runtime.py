@@ -111,6 +111,16 @@ def first_parameter(module):
         return None
 
 
+def upload(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """``dst.copy_(src)`` from host memory without the host waiting for the device's queue: a copy from pageable
+    memory into CUDA memory synchronises the stream first, so the host would idle until every step launched
+    before it had run. On CUDA the copy goes through a fresh pinned buffer (torch's caching host allocator keeps
+    it until the copy has run) and is queued behind that work; elsewhere it is a plain copy."""
+    if dst.is_cuda and not src.is_cuda:
+        return dst.copy_(src.pin_memory(), non_blocking=True)
+    return dst.copy_(src)
+
+
 def synchronized_time(device: torch.device) -> float:
     """perf_counter() after the device has finished its queued work."""
     if torch.device(device).type == "cuda":

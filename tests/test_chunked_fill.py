@@ -127,7 +127,10 @@ def test_serving_records_label_chunked_runs_and_draw_them(small_pair):
 @needs_cuda
 def test_gpu_graphed_chunked_refills_equal_generate_in_float32():
     """The shipped pair in float32, graphed: 12 requests through 4 rows with every refill carried by the steps,
-    each request's tokens target.generate's, for both shipped drafters and the device prompt lookup."""
+    for both shipped drafters and the device prompt lookup: each request's tokens are the same kernels' launched
+    eagerly (graphs off), and target.generate's, as a stream whose refills are their own prefill gives them."""
+    import json
+
     from dflash_lab.assets import heldout_prompts, load_default_pair
 
     target, paper, tok = load_default_pair("cuda", dtype=torch.float32)
@@ -136,10 +139,18 @@ def test_gpu_graphed_chunked_refills_equal_generate_in_float32():
                for p, n in zip(heldout_prompts()[:12], (96, 40, 57, 23) * 3)]
     expected = [target.generate(p[None], max_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=0)[0]
                 for p in prompts]
-    for drafter in (paper, poolside, "ngram_gpu"):
-        dec = FastDecoder(target, drafter, batch=4, block_size=16, capacity=160, chunked_fill=True)
-        assert dec.cuda_graphs
-        serve(dec, prompts, max_new_tokens=2, refill="chunked")  # the first batch's prefill graph, captured
-        run = serve(dec, prompts, max_new_tokens=32, refill="chunked")
-        same = sum(torch.equal(r.result.output_ids[0], e) for r, e in zip(run.requests, expected))
-        assert same == len(prompts), drafter if isinstance(drafter, str) else drafter.config.layer_types
+    report = {}
+    for name, drafter in (("paper", paper), ("poolside", poolside), ("ngram_gpu", "ngram_gpu")):
+        runs = {}
+        for how, graphs, refill in (("graphed", True, "chunked"), ("eager", False, "chunked"),
+                                    ("prefill refills", True, "prefill")):
+            dec = FastDecoder(target, drafter, batch=4, block_size=16, capacity=160, cuda_graphs=graphs,
+                              chunked_fill=refill == "chunked")
+            serve(dec, prompts, max_new_tokens=2, refill=refill)  # the first batch's prefill graph, captured
+            runs[how] = [r.result.output_ids[0] for r in serve(dec, prompts, max_new_tokens=32, refill=refill).requests]
+        report[name] = {how: sum(torch.equal(a, e) for a, e in zip(out, expected)) for how, out in runs.items()}
+        report[name]["graphed_equal_eager"] = sum(torch.equal(a, b) for a, b in zip(runs["graphed"], runs["eager"]))
+    print("\nGPU float32, chunked refills (requests equal to target.generate, of 12):", json.dumps(report))
+    for name, r in report.items():
+        assert r["graphed_equal_eager"] == len(prompts), name  # the same kernels, replayed
+        assert r["graphed"] == r["prefill refills"] == len(prompts), name

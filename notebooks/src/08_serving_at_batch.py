@@ -255,6 +255,48 @@ for (s, method, c), r in sorted(served_best.items()):
 viz.serving_speedup_figure(served["records"], title=f"Served under the recommended schedules ({served['device']})")
 
 # %% [markdown]
+# ## Refills carried by the steps
+#
+# Each refill above is a forward of its own: one row's prompt through the target and the drafter's
+# context K/V, on this small pair about as dear as a whole step. vLLM 0.33 runs no such pass. Its
+# scheduler puts a new request's prompt tokens into the same batch as the running requests' decode
+# tokens (chunked prefill, `v1/core/sched/scheduler.py`). The lab's version keeps the step's shape
+# (rows × W): a refilled row verifies its prompt's next W tokens in place of [x_t, drafts], so the
+# step's own verify and append write the prompt's K/V, and the chunk holding the prompt's last token
+# gives the first token (`spec_decode.fast.chunked_fill`; `serve(refill="chunked")`). A refill then
+# launches nothing, and the row gives up ceil(T / W) of its steps. With a schedule's K = 0 the chunk
+# is one token, so a 256-token prompt takes 256 steps.
+#
+# The record below (`bench serve --refill both`) serves each method both ways in one run.
+
+# %%
+chunked = json.loads((BENCHMARKS_DIR / "spec_decode_serving_chunked.json").read_text())
+chunked_note = record_note(chunked)
+print(f"device {chunked['device']}; {chunked['command']}"
+      + (f"\nwhose numbers: {chunked_note}" if chunked_note else ""))
+chunked_best = best_blocks(chunked["records"])  # a chunked run is its own "<method> (chunked)"
+for (s, label, c), r in sorted(chunked_best.items()):
+    if label == f"{r['method']} (chunked)":
+        base, own = chunked_best[s, "target_only", c], chunked_best[s, r["method"], c]
+        print(f"{r['method']:<17} concurrency {c:>2}: refills in the steps "
+              f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x target-only ({r['batch_steps']} steps), "
+              "each its own prefill "
+              f"{own['tokens_per_s'] / base['tokens_per_s']:.2f}x ({own['batch_steps']} steps)")
+viz.serving_speedup_figure(chunked["records"],
+                           title=f"Refills as prefills or carried by the steps ({chunked['device']})")
+
+# %% [markdown]
+# On the committed record (an H100, the shipped pair, 256-token prompts, block 16) carrying the refills
+# loses at 8 and 32 and ties at 64. A 256-token prompt is 16 chunks, so each refill costs its row 16
+# steps: at 8 rows that is two whole steps of the batch per refill, at 32 half a step, against a
+# one-row prefill of about one step. The refill's forward is cheap on a GPU because it is one graph,
+# and a chunked step also carries the rows being filled (their chunk bookkeeping, about 25 small
+# kernels a step). Prompt lookup under its schedule drafts nothing (K = 0) from 17 running requests,
+# so its chunk is one token and a refill takes 256 steps. vLLM sizes a prefill chunk by a token budget
+# per step (`max_num_batched_tokens`), not by the speculation width, so its chunks are far wider than
+# 16 tokens.
+
+# %% [markdown]
 # ## Answer
 
 # %%

@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import torch
 
+from ...runtime import upload
+
 
 def check(dec, phase_graphs: bool) -> None:
     """Refuse a decoder whose steps cannot carry a prompt: a host proposer, a tree step, phase graphs."""
@@ -68,9 +70,9 @@ def stage(dec, rows: dict[int, torch.Tensor], lengths: dict[int, int], max_new: 
         dec.fill_ids[b, :lengths[b]].copy_(p)
         dec.tokens[b, :lengths[b]].copy_(p)
     order = list(rows)
-    index = torch.tensor(order, device=dec.device)
-    T = torch.tensor([lengths[b] for b in order], device=dec.device)
-    limit = (T + torch.tensor([max_new[b] for b in order], device=dec.device) - 1).clamp(max=dec.max_pos - 1)
+    host = torch.tensor([order, [lengths[b] for b in order], [max_new[b] for b in order]])
+    index, T, n = upload(torch.empty(host.shape, dtype=torch.long, device=dec.device), host)  # no wait for the steps
+    limit = (T + n - 1).clamp(max=dec.max_pos - 1)
     for buf, value in ((dec.fill_len, T), (dec.limit, limit), (dec.pos, torch.zeros_like(T))):
         buf.index_copy_(0, index, value)
     for buf in (dec.active, dec.n_steps, dec.n_drafts):

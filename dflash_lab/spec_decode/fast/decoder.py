@@ -43,7 +43,7 @@ import math
 
 import torch
 
-from ...runtime import first_parameter, is_int
+from ...runtime import first_parameter, is_int, upload
 from . import chunked_fill as chunked_fill_ops, host_drafting, readback, triton_ops
 from .accept import accept_step
 from .cuda_graphs import GraphedStep, new_pool
@@ -313,7 +313,7 @@ class FastDecoder:
         if chunked:
             if self.fill_ids is None:
                 raise ValueError("a chunked fill needs a decoder built with chunked_fill=True")
-            self.stop_ids.copy_(torch.tensor(stops + [-1] * (MAX_STOP_TOKENS - len(stops))))
+            upload(self.stop_ids, torch.tensor(stops + [-1] * (MAX_STOP_TOKENS - len(stops))))
             chunked_fill_ops.stage(self, rows, lengths, max_new)
             self._lengths.update(lengths)
             return
@@ -332,7 +332,7 @@ class FastDecoder:
         meta[3 * self.batch:] = -1  # -1: no stop token
         if stops:
             meta[3 * self.batch:3 * self.batch + len(stops)] = torch.tensor(stops)
-        self.meta.copy_(meta)
+        upload(self.meta, meta)  # queued behind the running steps: the host does not wait for them
         key = (n, self.prefill_width(max(lengths.values())))
         if key not in self.prefills:  # first fill of this many rows this long: warm up and capture its graph
             self.prefills[key] = self._graphed(lambda: self._prefill(*key), reset=None)

@@ -11,7 +11,9 @@ the freed place at the next step (``v1/core/sched/scheduler.py``), so the batch 
 queue runs dry. Here a decoder row is that place: a finished row's state is copied back
 (``FastDecoder.snapshot``), the row is refilled with the next prompt (``FastDecoder.fill``: that row's
 prefill, caches and context K/V overwritten, the other rows untouched) and its result is built on the
-host while that refill runs; the graphed step goes on at the same (batch, block) shape.
+host once the next steps are launched; the graphed step goes on at the same (batch, block) shape. Nothing
+the loop sends the device makes the host wait for it (``runtime.upload``): a refill and the next burst are
+queued behind the running steps.
 
 ``policy="static"`` admits a new batch only when every row of the last one is done: a batch runs as
 many steps as its slowest sequence needs while finished rows idle (the straggler effect). Both
@@ -150,6 +152,12 @@ def serve(decoder: FastDecoder, prompts, *, max_new_tokens, stop_token_ids=(), p
     unseen: dict[int, int] = {}  # row -> its request, filled by chunks, whose first token no read has seen yet
     seqs: dict[int, list[int]] = {}  # host drafting: live row -> its tokens
     done: list[tuple] = []  # (request, row, result, finished)
+    unbuilt: list[tuple] = []  # finished requests whose results wait for the host: (ended, rows, snapshot, finished)
+
+    def build() -> None:  # the host's share of finished requests, while the device runs what was launched
+        for ended, rows, snap, now in unbuilt:
+            done.extend((i, b, result, now) for (i, b), result in zip(ended, decoder.results(rows, snap)))
+        unbuilt.clear()
     steps = fills = bursts = reads = 0
     widths: dict[int, int] = {}  # step width -> batch steps run at it
     clock = _Clock(device)  # no sync for a first token's time: an event on CUDA
@@ -215,8 +223,7 @@ def serve(decoder: FastDecoder, prompts, *, max_new_tokens, stop_token_ids=(), p
             # next read, as a row that stops inside a burst does
             if floor is not None:
                 floor = {b: floor[b] for b in running if b not in filled} | filled or None
-            for (i, b), result in zip(ended, decoder.results(finished, snap)):  # built while the refill runs
-                done.append((i, b, result, now))
+            unbuilt.append((ended, finished, snap, now))  # built once the next steps are launched
             continue
         width = width_for(len(running))
         if host and width > 1:
@@ -237,9 +244,11 @@ def serve(decoder: FastDecoder, prompts, *, max_new_tokens, stop_token_ids=(), p
                 step()
             peek.launch(width)  # the state after k - 1 steps, copied back while the k-th runs
             step()
+        build()
         steps += k
         bursts += 1
         widths[width] = widths.get(width, 0) + k
+    build()
     seconds = clock.host(sync=True)
     first = {i: finished if admitted[i][1] is None else clock.resolve(admitted[i][1]) for i, _, _, finished in done}
     requests = sorted((Request(i, b, result, admitted[i][0], first[i], finished) for i, b, result, finished in done),
