@@ -197,7 +197,7 @@ class FastDecoder:
     def _accept(self, width: int | None = None) -> None:
         width = width or self.B
         if self._accept_kernel:
-            return accept_step(self, width)
+            return accept_step(self, width)  # a chunked fill's advance included
         K = width - 1
         verified = self.n_draft.clamp(max=K) if self.tree_budget is None else torch.full_like(self.n_draft,
                                                                                                 self.tree_budget)
@@ -217,14 +217,14 @@ class FastDecoder:
         self.pos.copy_(torch.where(active, new_pos, self.pos))
         self.last.copy_(torch.where(active, nxt, self.last))
         self.active &= ~(stopped | (new_pos >= self.limit))
+        if self.fill_ids is not None:  # rows being filled by chunks move on (``chunked_fill``)
+            chunked_fill_ops.advance(self, width)
 
     def _step(self, width: int | None = None) -> None:
         self._draft(width)
         self._verify(width)
         self._append(width)
         self._accept(width)
-        if self.fill_ids is not None:
-            chunked_fill_ops.advance(self, width or self.B)
 
     def step_at(self, width: int) -> GraphedStep:
         """The graphed step that verifies ``width`` tokens per row (a schedule's K + 1), captured once."""
