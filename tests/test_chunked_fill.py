@@ -154,3 +154,27 @@ def test_gpu_graphed_chunked_refills_equal_generate_in_float32():
     for name, r in report.items():
         assert r["graphed_equal_eager"] == len(prompts), name  # the same kernels, replayed
         assert r["graphed"] == r["prefill refills"] == len(prompts), name
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_a_refills_upload_is_queued_behind_the_running_steps():
+    """runtime.upload: a host tensor sent while the device is still busy returns at once (the stream still has
+    work queued when it does; a pageable copy would have waited for all of it) and lands after that work."""
+    from dflash_lab.runtime import upload
+
+    a = torch.randn(4096, 4096, device="cuda")
+    dst = torch.zeros(64, dtype=torch.long, device="cuda")
+    torch.cuda.synchronize()
+    for _ in range(40):  # tens of milliseconds of queued work
+        a = a @ a / 64
+    upload(dst, torch.arange(64))
+    busy = not torch.cuda.current_stream().query()
+    torch.cuda.synchronize()
+    assert busy, "the upload waited for the queued work"
+    assert torch.equal(dst.cpu(), torch.arange(64))
+    with_pageable = torch.zeros_like(dst)
+    for _ in range(40):
+        a = a @ a / 64
+    with_pageable.copy_(torch.arange(64))  # the copy this replaces: the host waits for the queue
+    assert torch.cuda.current_stream().query()

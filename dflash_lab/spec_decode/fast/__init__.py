@@ -16,6 +16,9 @@
     readback           finished rows' tokens and counters copied back without waiting, results built after
     serving            ``serve``: a stream of requests at a concurrency, continuous batching as
                        vLLM's scheduler does it, with the per-request latencies ``vllm bench serve`` reports
+    chunked_fill       a refilled row's prompt verified a chunk at a time inside the step (no prefill
+                       forward of its own), as vLLM mixes a new request's prompt into the decode batch
+    host_drafting      prompt lookup drafted on the host: drafts from each row's tokens, read back every step
 
 Nothing is imported here: ``triton_ops`` serves the static forwards without the decoder that drives
 them. (The fused epilogue of the folded context-K/V path is no part of this backend: it sits beside
