@@ -269,8 +269,8 @@ class FastDecoder:
         self.last.index_copy_(0, rows, first)
         self.limit.index_copy_(0, rows, (length + max_new - 1).clamp(max=self.max_pos - 1))  # the last fillable
         self.active.index_copy_(0, rows, (length < self.limit[rows]) & ~(first[:, None] == self.stop_ids).any(-1))
-        for counter in (self.n_steps, self.n_drafts) + ((self.fill_len,) if self.fill_ids is not None else ()):
-            counter.index_fill_(0, rows, 0)  # each request counts its own steps and drafts; no chunk left
+        for counter in (self.n_steps, self.n_drafts, self.fill_len):  # its own steps and drafts; no chunk to fill
+            counter.index_fill_(0, rows, 0)
 
     def prefill_width(self, longest: int) -> int:
         """The padded length a batch whose longest prompt has ``longest`` tokens is prefilled at."""
