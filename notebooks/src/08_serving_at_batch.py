@@ -289,12 +289,13 @@ viz.serving_speedup_figure(chunked["records"],
 # On the committed record (an H100, the shipped pair, 256-token prompts, block 16) carrying the refills
 # loses at 8 and 32 and ties at 64. A 256-token prompt is 16 chunks, so each refill costs its row 16
 # steps: at 8 rows that is two whole steps of the batch per refill, at 32 half a step, against a
-# one-row prefill of about one step. The refill's forward is cheap on a GPU because it is one graph,
-# and a chunked step also carries the rows being filled (their chunk bookkeeping, about 25 small
-# kernels a step). Prompt lookup under its schedule drafts nothing (K = 0) from 17 running requests,
-# so its chunk is one token and a refill takes 256 steps. vLLM sizes a prefill chunk by a token budget
-# per step (`max_num_batched_tokens`), not by the speculation width, so its chunks are far wider than
-# 16 tokens.
+# one-row prefill of about one step. The refill's forward is cheap on a GPU because it is one graph.
+# In that run a chunked step also launched about 25 small kernels of chunk bookkeeping; the accept
+# kernel now does it in its one launch, not yet re-timed. Prompt lookup under its schedule drafts
+# nothing (K = 0) from 17 running requests, so its chunk is one token and a refill takes 256 steps.
+# vLLM sizes a prefill chunk by a token budget per step (`max_num_batched_tokens`), not by the
+# speculation width, so its chunks are far wider than 16 tokens. In bf16, 108 of 128 chunked requests
+# at 8 equal target-only's (128/128 with prefills): the prompt's K/V is computed in another order.
 
 # %% [markdown]
 # ## Answer
