@@ -65,7 +65,7 @@ def serving_methods(drafters: dict, block_sizes) -> list[tuple[str, object, int]
     return runs + [(m, p, b) for m, p in LOOKUP.items() for b in block_sizes]
 
 
-def chunkable(method: str, drafter, block: int) -> bool:
+def chunkable(method: str, block: int) -> bool:
     """Whether a refill's prompt can ride in this method's steps: drafted on the device, more than one token wide
     (target-only's one-token step would carry a prompt a token a step; host prompt lookup reads every step)."""
     return block > 1 and LOOKUP.get(method) != "ngram"
@@ -95,7 +95,7 @@ def measure_serving(target, drafters: dict, prompts, *, concurrencies=CONCURRENC
     for c in concurrencies:
         runs = [(m, d, b, None) for m, d, b in serving_methods(drafters, block_sizes)]
         runs += [(m, {**drafters, **LOOKUP}[m], max(s.ks) + 1, s) for m, s in (schedules or {}).items()]
-        runs = [(*r, refill) for refill in refills for r in runs if refill == "prefill" or chunkable(*r[:3])]
+        runs = [(*r, refill) for refill in refills for r in runs if refill == "prefill" or chunkable(r[0], r[2])]
         for method, drafter, block, schedule, refill in runs:
             chunked = refill == "chunked"
             dec = FastDecoder(target, drafter, batch=c, block_size=block, capacity=capacity, cuda_graphs=cuda_graphs,
