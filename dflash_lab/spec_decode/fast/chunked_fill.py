@@ -14,7 +14,7 @@ there is its first token. A filled row costs the batch ceil(T / W) of its row's 
 
 In the graphed step a row is being filled while ``pos < fill_len`` (its prompt's length T; 0 once filled by
 ``FastDecoder.fill``); it is inactive then, so the accept phase moves none of its state, and ``advance``
-runs after it:
+runs after it (where the accept kernel runs, the kernel does the same in its one launch: ``accept.py``):
 
     tokens  the prompt put back at the chunk's next positions (the accept phase wrote argmax there; at T
             it wrote the first token, which stays)
