@@ -102,20 +102,25 @@ DEVICE = "cpu"
 print(json.dumps(run_cases(with_bf16=False)))
 """
 
-STATIC_TARGET = r"""
+SMALL_XS2 = r"""
 import json
 import torch
 from transformers import LagunaForCausalLM
 from dflash_lab.presets import laguna_xs_2_config
 from dflash_lab.spec_decode.fast.static_target import StaticTarget
-from dflash_lab.spec_decode.tree import build_draft_tree
 
 torch.manual_seed(0)
 cfg = laguna_xs_2_config(num_hidden_layers=4, vocab_size=64, hidden_size=64, intermediate_size=96, head_dim=16,
                          num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
                          moe_intermediate_size=16, shared_expert_intermediate_size=16, sliding_window=6,
                          num_attention_heads_per_layer=[4, 8, 8, 8])
-model = LagunaForCausalLM(cfg).eval()
+DEV, DT = globals().get("DEV", "cpu"), globals().get("DT", torch.float32)  # a GPU test sets them
+model = LagunaForCausalLM(cfg).eval().to(DEV, DT)
+"""  # Laguna-XS.2's layer pattern (dense first layer, 1 full : 3 sliding, per-layer heads), tiny widths
+
+STATIC_TARGET = SMALL_XS2 + r"""
+from dflash_lab.spec_decode.tree import build_draft_tree
+
 prompt = torch.randint(0, 64, (2, 24))
 out = {}
 with torch.no_grad():
@@ -135,6 +140,38 @@ with torch.no_grad():
         out[name] = ((x - y).abs().max() / y.abs().max()).item()
     ref = model(prompt).logits  # transformers' own forward: every kernel of the static path at once
     out["prefill against transformers"] = ((logits[True][0] - ref).abs().max() / ref.abs().max()).item()
+print(json.dumps(out))
+"""
+
+ROPE_IN = SMALL_XS2 + r"""
+from dflash_lab.spec_decode.fast import attention, triton_ops
+
+gen = torch.Generator().manual_seed(1)
+prompt, block, one = (torch.randint(0, 64, s, generator=gen).to(DEV) for s in ((2, 24), (2, 5), (2, 1)))
+calls = []
+real = triton_ops.qk_rope_write
+triton_ops.qk_rope_write = lambda *a, **k: calls.append(a[0].shape[1]) or real(*a, **k)
+out = {}
+with torch.no_grad():
+    for capacity in (64, 640):  # 640: the slots split among programs (flash-decoding)
+        at = [40, 600] if capacity == 640 else [24, 30]
+        for tables in (True, False):
+            seen = {}
+            for rope_in in (True, False):
+                attention.ROPE_IN, calls[:] = rope_in, []
+                st = StaticTarget(model, batch=2, capacity=capacity)
+                if not tables:  # cos/sin computed per token instead of read from tables
+                    st.rope_tables = None
+                logits = [st.forward(prompt, torch.arange(24, device=DEV).expand(2, -1))[0]]
+                pos = (torch.tensor(at)[:, None] + torch.arange(5)).to(DEV)
+                logits.append(st.forward(block, pos)[0])
+                logits.append(st.forward(one, pos[:, -1:] + 1)[0])
+                seen[rope_in] = (logits, [t.clone() for pair in st.cache for t in pair], list(calls))
+            name = f"capacity {capacity}, {'tables' if tables else 'rows'}"
+            (l1, c1, k1), (l0, c0, k0) = seen[True], seen[False]
+            out[name] = [all(torch.equal(a, b) for a, b in zip(l1, l0)), all(torch.equal(a, b) for a, b in zip(c1, c0)),
+                         k1, k0]
+attention.ROPE_IN, triton_ops.qk_rope_write = True, real
 print(json.dumps(out))
 """
 
@@ -184,6 +221,30 @@ def test_a_static_target_with_the_kernel_gives_the_masks_logits(interpreted):
     errs = interpreted(STATIC_TARGET)
     assert set(errs) == {"prefill", "block", "tree", "prefill against transformers"}
     assert max(errs.values()) < 1e-5, errs
+
+
+@pytest.mark.skipif(triton is None, reason="needs Triton")
+def test_the_attention_kernel_taking_rope_in_changes_no_value(interpreted):
+    """``attention.ROPE_IN``: a chain step's q/k head norms, partial RoPE and K/V write run inside the attention
+    kernel, not in a kernel of their own. Logits and every cache slot equal the two-kernel route's bit for bit
+    (float32, Laguna-XS.2's pattern with partial RoPE on its full layers; a prompt, a ragged block and a decode
+    step; short and split caches; cos/sin from tables and per token), and the separate kernel runs only with the
+    switch off."""
+    runs = interpreted(ROPE_IN)
+    assert len(runs) == 4
+    for name, (same_logits, same_cache, calls_on, calls_off) in runs.items():
+        assert same_logits and same_cache, name
+        assert calls_on == [] and calls_off == [24] * 4 + [5] * 4 + [1] * 4, (name, calls_on, calls_off)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_the_attention_kernel_taking_rope_in_changes_no_value():
+    """The same in bfloat16, compiled, under PDL: both routes round every value alike, so bit for bit too."""
+    scope = {"DEV": "cuda", "DT": torch.bfloat16}
+    exec(ROPE_IN, scope)
+    for name, (same_logits, same_cache, calls_on, calls_off) in scope["out"].items():
+        assert same_logits and same_cache and calls_on == [] and len(calls_off) == 12, name
 
 
 def test_bad_shapes_are_refused_before_any_launch():

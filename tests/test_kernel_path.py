@@ -94,7 +94,8 @@ def test_kernels_on_are_lossless_and_launch_fewer_kernels_per_phase(interpreted)
         assert on[phase][2], f"{phase}: no lab kernel ran with the switch on"
         assert on[phase][0] < off[phase][0] / 2, f"{phase}: {on[phase][0]} kernels on, {off[phase][0]} off"
     assert {"_route_kernel", "_align_kernel", "_block_gemm_kernel", "_residual_norm_kernel",
-            "_qk_rope_write_kernel", "_gated_attention_kernel"} <= set(on["verify"][2])
+            "_gated_attention_kernel", "_argmax_kernel"} <= set(on["verify"][2])
+    assert "_qk_rope_write_kernel" not in on["verify"][2], "a verify step's RoPE is not inside its attention"
     assert on["accept"][0] == 1 and on["accept"][2] == ["_accept_kernel"], f"accept: {on['accept']}"
     tails = out["in_producer"]  # only the prefill's tails launched: every one-row step ran them in its GEMVs
     assert tails["equal"], "the tails in their producers changed the tokens"

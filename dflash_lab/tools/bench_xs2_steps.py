@@ -37,7 +37,7 @@ from ..drafter import DFlashLagunaDrafter
 from ..measure.step_bytes import NOMINAL_BANDWIDTH, drafter_step_bytes, floor_ms, target_step_bytes
 from ..measure.timing import graphed_ms
 from ..presets import LAGUNA_XS_21_DFLASH, laguna_xs_2_config
-from ..spec_decode.fast import pdl, residual
+from ..spec_decode.fast import argmax as fast_argmax, attention, pdl, residual
 from ..spec_decode.fast.moe import distinct_experts, gathered_experts, uniform_distinct
 from ..spec_decode.fast.static_drafter import StaticDrafter
 from ..spec_decode.fast.static_target import StaticTarget, dense_experts, grouped_experts, grouped_usable
@@ -182,7 +182,7 @@ def measure(device, *, context: int, blocks, samples: int = 8, progress=print, o
         for B in blocks:
             ids = torch.randint(0, cfg.vocab_size, (1, B), device=device)
             pos = torch.arange(context, context + B, device=device)[None]
-            ms = graphed_ms(lambda: st.forward(ids, pos)[0].argmax(-1), device)
+            ms = graphed_ms(lambda: pick(st.forward(ids, pos)[0]), device)
             routing = routing_stats(st, cfg, context, B, samples, device)
             measured = target_step_bytes(cfg, B, context, routing["per_layer"])
             uniform = target_step_bytes(cfg, B, context, routing["uniform_expected"])
@@ -195,7 +195,7 @@ def measure(device, *, context: int, blocks, samples: int = 8, progress=print, o
             progress(f"  target B={B:>2}: {ms:.3f} ms; floor {row['floor_ms']:.3f} ms at 4.8 TB/s, "
                      f"{row['floor_ms_copy_bw']:.3f} ms at the copy bandwidth ({row['over_floor']}x); distinct experts "
                      f"{routing['mean']} per layer (uniform routing: {routing['uniform_expected']})")
-        out["target_profile"] = kernel_profile(lambda: st.forward(ids1, pos1)[0].argmax(-1), device)
+        out["target_profile"] = kernel_profile(lambda: pick(st.forward(ids1, pos1)[0]), device)
         progress(f"  target B= 1, one eager forward: {out['target_profile']['kernels']} kernels, "
                  f"{out['target_profile']['kernel_ms']:.3f} ms of kernel time")
         out["target_other_moe"] = []
@@ -206,7 +206,7 @@ def measure(device, *, context: int, blocks, samples: int = 8, progress=print, o
             other.cache = st.cache  # same KV, same context
             ids = torch.randint(0, cfg.vocab_size, (1, 1), device=device)
             pos = torch.tensor([[context]], device=device)
-            ms = graphed_ms(lambda: other.forward(ids, pos)[0].argmax(-1), device)
+            ms = graphed_ms(lambda: pick(other.forward(ids, pos)[0]), device)
             out["target_other_moe"].append({"moe": moe, "block": 1, "ms": round(ms, 4)})
             progress(f"  target B= 1 with moe={moe}: {ms:.3f} ms")
             del other
@@ -217,34 +217,47 @@ def measure(device, *, context: int, blocks, samples: int = 8, progress=print, o
         for B in sorted({1, max(blocks)}):
             ids = torch.randint(0, cfg.vocab_size, (1, B), device=device)
             pos = torch.arange(context, context + B, device=device)[None]
-            ms = graphed_ms(lambda: sdpa.forward(ids, pos)[0].argmax(-1), device)
+            ms = graphed_ms(lambda: pick(sdpa.forward(ids, pos)[0]), device)
             out["target_sdpa_attention"].append({"block": B, "ms": round(ms, 4)})
             progress(f"  target B={B:>2} with masks + SDPA attention: {ms:.3f} ms")
         del sdpa
-        out["target_without_pdl"] = []  # the same steps, every kernel started only after the last has finished
-        pdl.ON = False
-        try:
-            for B in sorted({1, max(blocks)}):
+        ends = sorted({1, max(blocks)})
+
+        def switched(label: str, mod, attr: str, value, sizes) -> list[dict]:
+            """The steps with ``mod.attr = value``, each beside the same step at the setting in use, timed
+            next to it (so a drift of the card's clocks does not enter the ratio)."""
+            rows = []
+            for B in sizes:
                 ids = torch.randint(0, cfg.vocab_size, (1, B), device=device)
                 pos = torch.arange(context, context + B, device=device)[None]
-                ms = graphed_ms(lambda: st.forward(ids, pos)[0].argmax(-1), device)
-                out["target_without_pdl"].append({"block": B, "ms": round(ms, 4), "pdl_runs": pdl.runs(ids)})
-                progress(f"  target B={B:>2} without programmatic dependent launch: {ms:.3f} ms")
-        finally:
-            pdl.ON = True
+                base = graphed_ms(lambda: pick(st.forward(ids, pos)[0]), device)
+                was = getattr(mod, attr)
+                setattr(mod, attr, value)
+                try:
+                    ms = graphed_ms(lambda: pick(st.forward(ids, pos)[0]), device)
+                finally:
+                    setattr(mod, attr, was)
+                rows.append({"block": B, "ms": round(ms, 4), "base_ms": round(base, 4)})
+                progress(f"  target B={B:>2} with {label}: {ms:.3f} ms (as measured: {base:.3f} ms)")
+            return rows
+
         out["pdl_runs"] = pdl.runs(prompt)
-        out["target_tails_in_producer"] = []  # the other setting of residual.IN_PRODUCER (one row: one token)
-        residual.IN_PRODUCER = not (was := residual.IN_PRODUCER)
-        try:
-            ms = graphed_ms(lambda: st.forward(ids1, pos1)[0].argmax(-1), device)
-            out["target_tails_in_producer"].append({"block": 1, "ms": round(ms, 4), "in_producer": not was})
-            progress(f"  target B= 1 with residual.IN_PRODUCER={not was}: {ms:.3f} ms")
-        finally:
-            residual.IN_PRODUCER = was
-        out["tails_in_producer"] = was
+        out["target_without_pdl"] = switched("no programmatic dependent launch", pdl, "ON", False, ends)
+        out["tails_in_producer"] = residual.IN_PRODUCER
+        out["target_tails_in_producer"] = [dict(r, in_producer=not residual.IN_PRODUCER) for r in switched(
+            f"residual.IN_PRODUCER={not residual.IN_PRODUCER}", residual, "IN_PRODUCER", not residual.IN_PRODUCER, [1])]
+        out["target_torch_argmax"] = switched("torch's argmax", fast_argmax, "ON", False, ends)
+        out["rope_in"] = attention.ROPE_IN
+        out["target_rope_apart"] = switched(f"attention.ROPE_IN={not attention.ROPE_IN}", attention, "ROPE_IN",
+                                            not attention.ROPE_IN, ends)
         out["drafter"] = drafter_steps(drafter, model, LAGUNA_XS_21_DFLASH, context, [b for b in blocks if b > 1],
                                        bandwidth, device, progress)
     return out
+
+
+def pick(logits: torch.Tensor) -> torch.Tensor:
+    """The greedy token of each row, as the decoder picks it (``spec_decode.fast.argmax``)."""
+    return fast_argmax.argmax(logits)
 
 
 def drafter_steps(drafter, model, dcfg: dict, context: int, blocks, bandwidth: float, device, progress) -> list[dict]:
@@ -340,23 +353,36 @@ def xs2_steps_markdown(r: dict) -> str:
                   "positions, only the visible slots read, the gate applied). The same steps with the masks + SDPA "
                   "route it replaced: " + ", ".join(f"{o['block']} token(s) {o['ms']:.3f} ms (fused "
                                                      f"{fused[o['block']]:.3f} ms)" for o in sdpa) + "."]
-    no_pdl = r.get("target_without_pdl")
-    if no_pdl:
-        fused = {t["block"]: t["ms"] for t in r["target"]}
+    steps = {t["block"]: t["ms"] for t in r["target"]}
+
+    def beside(rows, with_label: str, base_label: str) -> str:  # a switch's steps beside their adjacent baseline
+        base = [o.get("base_ms", steps[o["block"]]) for o in rows]  # records before the adjacent baseline: the table's
+        return ", ".join(f"{o['block']} token(s) {o['ms']:.3f} ms ({base_label} {b:.3f} ms, "
+                         f"{o['ms'] / b:.3f}x {with_label})" for o, b in zip(rows, base))
+
+    if r.get("target_without_pdl"):
         lines += ["", "Programmatic dependent launch (`spec_decode.fast.pdl`"
                   + ("" if r.get("pdl_runs") else "; not available on this card or Triton, so both runs are without "
                      "it") + "): each kernel is launched while the previous drains, and the one-row kernel of a dense "
-                  "projection loads its first weights before waiting. The same steps without it: "
-                  + ", ".join(f"{o['block']} token(s) {o['ms']:.3f} ms (with it {fused[o['block']]:.3f} ms, "
-                              f"{o['ms'] / fused[o['block']]:.2f}x)" for o in no_pdl) + "."]
+                  "projection loads its first weights before waiting. The same steps without it, each timed next to "
+                  "the step with it: " + beside(r["target_without_pdl"], "without", "with") + "."]
     for o in r.get("target_tails_in_producer", []):
-        base = next(t["ms"] for t in r["target"] if t["block"] == o["block"])
+        base = o.get("base_ms", steps[o["block"]])
         on, off = (o["ms"], base) if o["in_producer"] else (base, o["ms"])
         lines += ["", "Residual tails in their producers (`residual.IN_PRODUCER`, "
                   f"{'on' if r.get('tails_in_producer') else 'off'} in the steps above): the one-row GEMV that "
                   "writes a tail's delta (o_proj, the routed + shared down, the dense layer's down) runs the add "
                   "and the norm in its last program, so the tails are no launches of their own. A token with it: "
                   f"{on:.3f} ms; without: {off:.3f} ms ({off / on:.2f}x)."]
+    if r.get("target_torch_argmax"):
+        lines += ["", "The greedy pick (`spec_decode.fast.argmax`): each row of 100352 logits is reduced by one "
+                  "program per 2048 entries, the last to finish merging their keys, where torch's argmax reduces a row "
+                  "in one block. The same steps with torch's argmax: "
+                  + beside(r["target_torch_argmax"], "with torch's", "split") + "."]
+    if r.get("target_rope_apart"):
+        lines += ["", "The q/k head norms, RoPE and the K/V write inside the attention kernel (`attention.ROPE_IN`, "
+                  f"{'on' if r.get('rope_in') else 'off'} in the steps above; a kernel of their own otherwise, "
+                  "`triton_ops.qk_rope_write`): " + beside(r["target_rope_apart"], "switched", "as above") + "."]
     prev = ", ".join(f"moe={o['moe']}: {o['ms']:.3f} ms" for o in r.get("target_other_moe", []))
     lines += ["", f"Before this change `auto` picked `{r['previous_auto_choice']}` here (torch's grouped GEMM "
               f"{'runs' if r['grouped_mm_runs'] else 'does not run'}). The full target's token with the older "

@@ -8,6 +8,9 @@ does all of it, and reads only the slots a query can see:
     gated_attention(q, k, v, gate, qpos, scale, window=None, per_head=True)         the chain
     gated_attention(..., tree_start=start, ancestors=tree.ancestors)               a draft tree
     slot_attention(q, k, v, gate, visibility, scale, per_head)                     the drafter's block
+    rope_attention(qkv, q_norm_w, k_norm_w, eps, cos, sin, rope_positions, ...)   a chain step from the raw
+                   q|k|v projection: the head norms, RoPE and the new K/V's write (``triton_ops.qk_rope_write``)
+                   done by the attention's own programs (``ROPE_IN``), one launch fewer a layer
 
 q (B, Q, H, hd); k, v (B, nkv, S, hd) (the cache, or a prefill's own keys; any strides); gate (B, Q, H)
 (``per_head``) or (B, Q, H*hd), pre-activation; qpos (B, Q) each query's position. The output is
@@ -33,6 +36,9 @@ and accumulators are merged (flash-decoding), so that a decode step of a few row
 slots in a handful of programs. The merge runs in the split that finishes last (each split counts itself in
 on an atomic counter, ``MERGE_IN_LAST``), so the whole attention stays one launch; a second kernel merges
 instead where no counters are at hand (a first call while a CUDA graph is being captured) or the switch is off.
+With RoPE taken in, each program first norms and rotates its own query rows into q and writes the K/V of
+every new token whose slot lies in its own slot range (programs that share a range write the same values),
+then reads them back after a barrier: no program reads a slot another program is still writing.
 The exponentials run in float32; float32 inputs multiply in IEEE float32 (no TF32).
 
 Off CUDA (and without Triton) ``usable`` is False and the static path keeps the torch route; Triton's
@@ -45,6 +51,7 @@ import torch
 
 from ... import context_kv_kernel as kernels
 from . import pdl
+from .rope_tile import norm_rope_tile, store_tile
 
 try:  # Triton is a GPU-side extra
     import triton
@@ -56,6 +63,7 @@ BLOCK_N = 32  # key slots per iteration
 BLOCK_M = 16  # folded query rows per program, whatever Q is: a row's sums never depend on the step's width
 SPLIT_FROM, SPLIT_SLOTS, MAX_SPLITS = 512, 128, 8  # flash-decoding: a long cache's slots shared by programs
 MERGE_IN_LAST = True  # the splits merged by the last of them (one launch), not by a second kernel
+ROPE_IN, ROPE_MAX_Q = True, 64  # a chain step's q/k norm, RoPE and K/V write inside the kernel (``rope_attention``)
 
 
 def usable(q: torch.Tensor) -> bool:
@@ -102,13 +110,14 @@ if triton is not None:
         G: tl.constexpr, HD: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr, TREE: tl.constexpr, HAS_GATE: tl.constexpr,
         PER_HEAD: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr, count_ptr=None, MERGE: tl.constexpr = False,
+        x_ptr=None, wq_ptr=None, wk_ptr=None, cos_ptr=None, sin_ptr=None, rpos_ptr=None, sx_b=0, sx_q=0, s_cs=0,
+        eps=0.0, ROPE: tl.constexpr = False, TABLE: tl.constexpr = False, ROT: tl.constexpr = 2,
+        BLOCK_HALF: tl.constexpr = 1, BLOCK_PASS: tl.constexpr = 1, BLOCK_T: tl.constexpr = 1,
     ):
         pdl.enter(PDL)
         b, kvh, qi, head, row_ok = _rows(G, BLOCK_M, NKV, Q)
         d = tl.arange(0, BLOCK_D)
         d_ok = d < HD
-        q = tl.load(q_ptr + b * sq_b + qi[:, None] * sq_q + head[:, None] * sq_h + d[None, :],
-                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
         qpos = tl.load(qpos_ptr + b * Q + qi, mask=row_ok, other=0)
         if TREE:
             start = tl.load(start_ptr + b)
@@ -126,11 +135,18 @@ if triton is not None:
             chunk = ((hi - lo + SPLITS - 1) // SPLITS + BLOCK_N - 1) // BLOCK_N * BLOCK_N
             lo = lo + tl.program_id(2) * chunk
             end = tl.minimum(lo + chunk, hi)
+        k_base = k_ptr + b * sk_b + kvh * sk_h
+        v_base = v_ptr + b * sv_b + kvh * sv_h
+        if ROPE:  # this program's queries, and the step's new keys in its slot range, normed and rotated here
+            _rope_in(x_ptr, q_ptr, k_base, v_base, wq_ptr, wk_ptr, cos_ptr, sin_ptr, rpos_ptr, qpos_ptr, b, kvh, qi,
+                     head, row_ok, lo, end, Q, sx_b, sx_q, sq_b, sq_q, sq_h, sk_s, sv_s, s_cs, eps, NKV * G, NKV, HD,
+                     ROT, TABLE, BLOCK_HALF, BLOCK_PASS, BLOCK_T, BLOCK_D)
+            tl.debug_barrier()  # every thread's stores made before any thread reads them back
+        q = tl.load(q_ptr + b * sq_b + qi[:, None] * sq_q + head[:, None] * sq_h + d[None, :],
+                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
         m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
         l_i = tl.zeros((BLOCK_M,), tl.float32)
         acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-        k_base = k_ptr + b * sk_b + kvh * sk_h
-        v_base = v_ptr + b * sv_b + kvh * sv_h
         for s0 in range(lo, end, BLOCK_N):
             s = s0 + tl.arange(0, BLOCK_N)
             s_ok = s < hi
@@ -184,6 +200,40 @@ if triton is not None:
                     HD, BLOCK_D, HAS_GATE, PER_HEAD)
 
     @triton.jit
+    def _rope_in(x_ptr, q_ptr, k_base, v_base, wq_ptr, wk_ptr, cos_ptr, sin_ptr, rpos_ptr, qpos_ptr, b, kvh, qi, head,
+                 row_ok, lo, end, Q, sx_b, sx_q, sq_b, sq_q, sq_h, sk_s, sv_s, s_cs, eps, H, NKV,
+                 HD: tl.constexpr, ROT: tl.constexpr, TABLE: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                 BLOCK_PASS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+        """What ``triton_ops.qk_rope_write`` does, for one program: its query rows' head norm and RoPE from the
+        q|k|v projection x into q, and the K/V of every new token of row b whose slot (its position: a chain)
+        lies in [lo, end), this program's range, into the cache. Programs that share a range write the same
+        values; none reads a slot it did not write or an earlier step did not."""
+        dt = q_ptr.dtype.element_ty
+        tok = (b * Q + qi)[:, None]
+        if TABLE:  # cos/sin tables over positions, read at each token's position; else one row a token
+            cs = tl.load(rpos_ptr + tok, mask=row_ok[:, None], other=0).to(tl.int64) * s_cs
+        else:
+            cs = tok.to(tl.int64) * s_cs
+        src = x_ptr + b * sx_b + qi[:, None] * sx_q + head[:, None] * HD
+        o1, o2, y3, c1, c3, m1, m3 = norm_rope_tile(src, wq_ptr, cos_ptr, sin_ptr, row_ok[:, None], cs, eps, dt,
+                                                    HD, ROT, BLOCK_HALF, BLOCK_PASS)
+        store_tile(q_ptr + b * sq_b + qi[:, None] * sq_q + head[:, None] * sq_h, o1, o2, y3, c1, c3, m1, m3, ROT)
+        t = tl.arange(0, BLOCK_T)[:, None]
+        slot = tl.load(qpos_ptr + b * Q + t, mask=t < Q, other=-1)
+        own = (t < Q) & (slot >= lo) & (slot < end)
+        if TABLE:
+            cs = tl.load(rpos_ptr + b * Q + t, mask=own, other=0).to(tl.int64) * s_cs
+        else:
+            cs = (b * Q + t).to(tl.int64) * s_cs
+        row = x_ptr + b * sx_b + t * sx_q
+        o1, o2, y3, c1, c3, m1, m3 = norm_rope_tile(row + (H + kvh) * HD, wk_ptr, cos_ptr, sin_ptr, own, cs, eps, dt,
+                                                    HD, ROT, BLOCK_HALF, BLOCK_PASS)
+        store_tile(k_base + slot.to(tl.int64) * sk_s, o1, o2, y3, c1, c3, m1, m3, ROT)
+        dd = tl.arange(0, BLOCK_D)[None, :]
+        md = own & (dd < HD)
+        tl.store(v_base + slot.to(tl.int64) * sv_s + dd, tl.load(row + (H + NKV + kvh) * HD + dd, mask=md), mask=md)
+
+    @triton.jit
     def _merge(first, b, qi, head, row_ok, g_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, sg_b, sg_q, so_b,
                so_q, HD: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, SPLITS: tl.constexpr,
                HAS_GATE: tl.constexpr, PER_HEAD: tl.constexpr):
@@ -218,7 +268,8 @@ if triton is not None:
 
 def gated_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor | None, qpos: torch.Tensor,
                     scale: float, *, window: int | None = None, per_head: bool = True,
-                    tree_start: torch.Tensor | None = None, ancestors: torch.Tensor | None = None) -> torch.Tensor:
+                    tree_start: torch.Tensor | None = None, ancestors: torch.Tensor | None = None,
+                    _rope: dict | None = None) -> torch.Tensor:
     """softplus(gate) * attention of q (B, Q, H, hd) over k/v (B, nkv, S, hd) -> (B, Q, H*hd); see the module
     docstring. ``gate`` None: no gate. A tree passes ``tree_start`` (B,) and ``ancestors`` (B, Q, Q) bool
     (any batch stride: a block's one pattern expanded). qpos in int32 saves a conversion per call."""
@@ -258,13 +309,48 @@ def gated_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: tor
         nkv, Q, S, window or 0, float(scale),
         G=G, HD=hd, BLOCK_D=block_d, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, SPLITS=splits,
         HAS_WINDOW=window is not None, TREE=tree, HAS_GATE=gate is not None, PER_HEAD=per_head,
-        IEEE=q.dtype == torch.float32, **pdl.launch(q), count_ptr=counts, MERGE=counts is not None,
+        IEEE=q.dtype == torch.float32, **pdl.launch(q), count_ptr=counts, MERGE=counts is not None, **(_rope or {}),
     )
     if splits > 1 and counts is None:
         _combine_kernel[grid[:2]](g, out, part_m, part_l, part_acc, g.stride(0), g.stride(1), out.stride(0),
                                   out.stride(1), nkv, Q, G=G, HD=hd, BLOCK_D=block_d, BLOCK_M=BLOCK_M,
                                   SPLITS=splits, HAS_GATE=gate is not None, PER_HEAD=per_head, **pdl.launch(q))
     return out
+
+
+def rope_in_usable(qkv: torch.Tensor) -> bool:
+    """Whether ``rope_attention`` serves a step of these q|k|v rows (B, Q, ...): ``ROPE_IN``, the kernel runs
+    here, at most ``ROPE_MAX_Q`` tokens a row (a decode or verify step; a prefill keeps its own kernel)."""
+    return ROPE_IN and usable(qkv) and qkv.shape[1] <= ROPE_MAX_Q and qkv.stride(-1) == 1
+
+
+def rope_attention(qkv: torch.Tensor, q_norm_w: torch.Tensor, k_norm_w: torch.Tensor, eps: float, cos: torch.Tensor,
+                   sin: torch.Tensor, rope_positions: torch.Tensor | None, cache_k: torch.Tensor, cache_v: torch.Tensor,
+                   gate: torch.Tensor | None, qpos: torch.Tensor, scale: float, heads: int, *,
+                   window: int | None = None, per_head: bool = True) -> torch.Tensor:
+    """``triton_ops.qk_rope_write`` and ``gated_attention`` of a chain step in one launch: qkv (B, Q, >= (heads +
+    2 nkv) * hd) the projection's q|k|v columns; q's and k's head norms (weights, eps) and RoPE (cos/sin tables
+    read at ``rope_positions`` (B, Q), or rows (B, Q, rd) when None) applied in the attention kernel, which
+    writes the new K/V at slots qpos (B, Q) of cache_k/v (B, nkv, S, hd) before it reads them. The same values,
+    rounded the same way, as the two kernels; see ``rope_in_usable``."""
+    B, Q, _ = qkv.shape
+    nkv, hd = cache_k.shape[1], cache_k.shape[3]
+    if qkv.shape[2] < (heads + 2 * nkv) * hd or qpos.shape != (B, Q) or not rope_in_usable(qkv):
+        raise ValueError(f"rope_attention: qkv {tuple(qkv.shape)} and qpos {tuple(qpos.shape)} do not fit {heads} "
+                         f"heads and {nkv} KV heads of {hd} at most {ROPE_MAX_Q} tokens, or the kernel does not run")
+    table = rope_positions is not None
+    cs, sn = (cos, sin) if table else (cos.reshape(B * Q, -1), sin.reshape(B * Q, -1))
+    if cs.stride(-1) != 1 or sn.stride(-1) != 1 or cs.stride(0) != sn.stride(0):
+        cs, sn = cs.contiguous(), sn.contiguous()
+    qpos = qpos if qpos.dtype == torch.int32 and qpos.is_contiguous() else qpos.to(torch.int32).contiguous()
+    rpos = rope_positions.to(torch.int32).reshape(-1).contiguous() if table else qpos
+    rot = cs.shape[-1]
+    kw = dict(x_ptr=qkv, wq_ptr=q_norm_w, wk_ptr=k_norm_w, cos_ptr=cs, sin_ptr=sn, rpos_ptr=rpos, sx_b=qkv.stride(0),
+              sx_q=qkv.stride(1), s_cs=cs.stride(0), eps=float(eps), ROPE=True, TABLE=table, ROT=rot,
+              BLOCK_HALF=triton.next_power_of_2(rot // 2), BLOCK_PASS=triton.next_power_of_2(max(hd - rot, 1)),
+              BLOCK_T=triton.next_power_of_2(Q))
+    q = torch.empty((B, Q, heads, hd), device=qkv.device, dtype=qkv.dtype)  # written by the kernel itself
+    return gated_attention(q, cache_k, cache_v, gate, qpos, scale, window=window, per_head=per_head, _rope=kw)
 
 
 def num_splits(slots: int) -> int:

@@ -45,6 +45,7 @@ import torch
 
 from ...runtime import first_parameter, is_int, upload
 from . import chunked_fill as chunked_fill_ops, host_drafting, readback, triton_ops
+from .argmax import argmax as pick
 from .accept import accept_step
 from .cuda_graphs import GraphedStep, new_pool
 from ..loop import SpecDecodeResult
@@ -183,7 +184,7 @@ class FastDecoder:
         if self.fill_ids is not None:  # a row being filled verifies its prompt's next chunk instead
             ids = chunked_fill_ops.block_ids(self, ids, width)
         logits, aux = self.tgt.forward(ids, self.block_pos[:, :width])
-        self.argmax[:, :width].copy_(logits.argmax(dim=-1))
+        pick(logits, out=self.argmax[:, :width])  # the split kernel where it runs (a large vocabulary)
         if aux is not None:
             if width not in self.aux:
                 self.aux[width] = torch.empty_like(aux)

@@ -27,6 +27,7 @@ import torch
 from ...block_attention import SlotKV
 from ...layers import rope_tables
 from . import triton_ops
+from .argmax import argmax
 from .static_target import round_up
 
 
@@ -66,4 +67,4 @@ class StaticDrafter:
 
     def draft(self, last_token: torch.Tensor, start: torch.Tensor, block_size: int) -> torch.Tensor:
         """Greedy drafts (B, block_size - 1): the argmax of ``draft_logits``."""
-        return self.draft_logits(last_token, start, block_size).argmax(dim=-1)
+        return argmax(self.draft_logits(last_token, start, block_size))

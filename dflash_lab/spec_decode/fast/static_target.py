@@ -212,6 +212,12 @@ class StaticTarget:
         heads, nkv = lay.split[0] // a.head_dim, lay.split[1] // a.head_dim
         g = qkvg[..., sum(lay.split[:3]):]
         cache_k, cache_v = self.cache[i]
+        if rows is None and fused is not None and fused[1] is None and attention.rope_in_usable(qkvg):
+            eps = triton_ops.norm_eps(a.q_norm)  # a chain step: norms, RoPE and the K/V write in the attention
+            if eps == triton_ops.norm_eps(a.k_norm):
+                return attention.rope_attention(qkvg, a.q_norm.weight, a.k_norm.weight, eps, cos, sin, rope_positions,
+                                                cache_k, cache_v, g, fused[0], a.scaling, heads, window=lay.window,
+                                                per_head=a.gate_per_head)
         if rows is None:  # q (B, Q, H, hd); k and v written to their slots (one kernel where Triton runs)
             q = triton_ops.qk_rope_write(qkvg, a.q_norm, a.k_norm, cos, sin, positions, cache_k, cache_v,
                                          heads, nkv, a.head_dim, rope_positions)

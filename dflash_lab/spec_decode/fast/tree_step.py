@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..tree import build_draft_tree
+from .argmax import argmax
 from .tree_accept import walk
 from .tree_build import beam_kernel
 
@@ -28,7 +29,7 @@ def tree_step(dec) -> None:
     tree = build_draft_tree(dec.dft.draft_logits(dec.last, dec.pos, dec.B), N, beams=beam_kernel)  # one launch
     ids = torch.cat([dec.last[:, None], tree.token_ids], dim=1)  # (b, N+1)
     logits, aux = dec.tgt.forward(ids, dec.pos[:, None] + tree.depths_with_root(), tree=tree, start=dec.pos)
-    choice = logits.argmax(dim=-1)  # (b, N+1): the target's token after every tree index
+    choice = argmax(logits)  # (b, N+1): the target's token after every tree index
     # the walk: path (b, K+1) the tree indices by depth; the accepted tokens and the target's choices along
     # the path written where the chain's append and accept read them (one kernel, ``tree_accept``)
     n, path = walk(tree, choice, dec.n_draft, dec.drafts, dec.argmax)

@@ -32,6 +32,7 @@ import torch
 from ...layers import TorchOps, stacked_linears
 from ... import context_kv_kernel as kernels
 from . import pdl
+from .rope_tile import norm_rope_tile, store_tile
 from .attention import slot_attention, usable as attention_usable  # noqa: F401 - the drafter reads them as ops.*
 
 try:  # Triton is a GPU-side extra
@@ -62,38 +63,6 @@ if triton is not None:
         tl.store(out_ptr + rows.to(tl.int64) * D + cols, (w * y).to(dt), mask=mask)
 
     @triton.jit
-    def _norm_rope_tile(src, w_ptr, cos_ptr, sin_ptr, tok, N, cs, eps, dt,
-                        HD: tl.constexpr, ROT: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_PASS: tl.constexpr):
-        """One head of BLOCK_T tokens (src: (T, 1) pointers to each token's head): per-head RMSNorm, then
-        rotate_half RoPE with cos/sin at row offsets cs (T, 1), in three channel pieces so that rotate_half is
-        elementwise: [0, ROT/2), [ROT/2, ROT), [ROT, HD) (not rotated). Returns the pieces in dt and masks."""
-        HALF: tl.constexpr = ROT // 2
-        PASS: tl.constexpr = HD - ROT
-        c1 = tl.arange(0, BLOCK_HALF)[None, :]
-        c3 = tl.arange(0, BLOCK_PASS)[None, :]
-        m1 = (tok < N) & (c1 < HALF)
-        m3 = (tok < N) & (c3 < PASS)
-        x1 = tl.load(src + c1, mask=m1, other=0.0).to(tl.float32)
-        x2 = tl.load(src + HALF + c1, mask=m1, other=0.0).to(tl.float32)
-        x3 = tl.load(src + ROT + c3, mask=m3, other=0.0).to(tl.float32)
-        ss = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1) + tl.sum(x3 * x3, axis=1)
-        rstd = (1.0 / tl.sqrt_rn(ss / HD + eps))[:, None]
-        w1 = tl.load(w_ptr + c1, mask=c1 < HALF, other=0.0).to(tl.float32)
-        w2 = tl.load(w_ptr + HALF + c1, mask=c1 < HALF, other=0.0).to(tl.float32)
-        w3 = tl.load(w_ptr + ROT + c3, mask=c3 < PASS, other=0.0).to(tl.float32)
-        y1 = (w1 * (x1 * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-        y2 = (w2 * (x2 * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-        y3 = (w3 * (x3 * rstd).to(dt).to(tl.float32)).to(dt)
-        cos1 = tl.load(cos_ptr + cs + c1, mask=m1, other=0.0).to(tl.float32)
-        cos2 = tl.load(cos_ptr + cs + HALF + c1, mask=m1, other=0.0).to(tl.float32)
-        sin1 = tl.load(sin_ptr + cs + c1, mask=m1, other=0.0).to(tl.float32)
-        sin2 = tl.load(sin_ptr + cs + HALF + c1, mask=m1, other=0.0).to(tl.float32)
-        # x_rot * cos + cat(-x2, x1) * sin, each product and the sum rounded to the dtype
-        o1 = ((y1 * cos1).to(dt).to(tl.float32) + (-y2 * sin1).to(dt).to(tl.float32)).to(dt)
-        o2 = ((y2 * cos2).to(dt).to(tl.float32) + (y1 * sin2).to(dt).to(tl.float32)).to(dt)
-        return o1, o2, y3, c1, c3, m1, m3
-
-    @triton.jit
     def _head_norm_rope_kernel(
         x_ptr, out_ptr, w_ptr, cos_ptr, sin_ptr, N, stride_x, stride_cs, eps,
         HEADS: tl.constexpr, HD: tl.constexpr, ROT: tl.constexpr,
@@ -103,13 +72,11 @@ if triton is not None:
         head = tl.program_id(1)  # one program = BLOCK_T tokens x one head
         tok = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)[:, None]  # (T, 1)
         src = x_ptr + tok.to(tl.int64) * stride_x + head * HD
-        o1, o2, y3, c1, c3, m1, m3 = _norm_rope_tile(src, w_ptr, cos_ptr, sin_ptr, tok, N,
+        o1, o2, y3, c1, c3, m1, m3 = norm_rope_tile(src, w_ptr, cos_ptr, sin_ptr, tok < N,
                                                      tok.to(tl.int64) * stride_cs, eps,
                                                      out_ptr.dtype.element_ty, HD, ROT, BLOCK_HALF, BLOCK_PASS)
         dst = out_ptr + (tok.to(tl.int64) * HEADS + head) * HD
-        tl.store(dst + c1, o1, mask=m1)
-        tl.store(dst + ROT // 2 + c1, o2, mask=m1)
-        tl.store(dst + ROT + c3, y3, mask=m3)
+        store_tile(dst, o1, o2, y3, c1, c3, m1, m3, ROT)
 
     @triton.jit
     def _qk_rope_write_kernel(
@@ -131,12 +98,12 @@ if triton is not None:
         else:
             cs = tok.to(tl.int64) * stride_cs
         if head < HQ:
-            o1, o2, y3, c1, c3, m1, m3 = _norm_rope_tile(row + head * HD, wq_ptr, cos_ptr, sin_ptr, tok, N,
+            o1, o2, y3, c1, c3, m1, m3 = norm_rope_tile(row + head * HD, wq_ptr, cos_ptr, sin_ptr, tok < N,
                                                          cs, eps, dt, HD, ROT, BLOCK_HALF, BLOCK_PASS)
             dst = q_ptr + (tok.to(tl.int64) * HQ + head) * HD
         else:
             h = head - HQ
-            o1, o2, y3, c1, c3, m1, m3 = _norm_rope_tile(row + (HQ + h) * HD, wk_ptr, cos_ptr, sin_ptr, tok, N,
+            o1, o2, y3, c1, c3, m1, m3 = norm_rope_tile(row + (HQ + h) * HD, wk_ptr, cos_ptr, sin_ptr, tok < N,
                                                          cs, eps, dt, HD, ROT, BLOCK_HALF, BLOCK_PASS)
             slot = tl.load(slot_ptr + tok, mask=tok < N, other=0).to(tl.int64)
             at = (tok // Q).to(tl.int64) * sc_b + h * sc_h + slot * sc_s  # (T, 1) cache offsets
@@ -144,9 +111,7 @@ if triton is not None:
             md = (tok < N) & (d < HD)
             tl.store(cv_ptr + at + d, tl.load(row + (HQ + NKV + h) * HD + d, mask=md), mask=md)
             dst = ck_ptr + at
-        tl.store(dst + c1, o1, mask=m1)
-        tl.store(dst + ROT // 2 + c1, o2, mask=m1)
-        tl.store(dst + ROT + c3, y3, mask=m3)
+        store_tile(dst, o1, o2, y3, c1, c3, m1, m3, ROT)
 
     @triton.jit
     def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, I, stride_g, stride_u, BLOCK: tl.constexpr, PDL: tl.constexpr):
