@@ -15,6 +15,8 @@ path, reads the same bytes with fewer programs and wastes 15 of its 16 rows).
                                                  sweep may give a shape its own, ``dense_tile``)
     linear_add_norm(x, w, h, norm, b)            a layer's residual tail after the product: (h + x w^T,
                                                  norm(h + x w^T)), in the same launch with ``residual.IN_PRODUCER``
+    add_norm_linear(h, d, norm, w, b)            the tail before the product: (h + d, norm(h + d), norm(h + d) w^T),
+                                                 in the same launch with ``residual.IN_CONSUMER``
 
 Numerics: products and sums in float32, one rounding to the output dtype at the end (as a GEMM's epilogue);
 the order of the sum differs from cuBLAS', so float32 results agree to rounding, not bit for bit.
@@ -36,7 +38,36 @@ except ImportError:  # pragma: no cover - depends on the machine
 if triton is not None:
 
     @triton.jit
-    def _chunk(a_row, w_rows, k0, ks, cmask, K, N_OUT, stride_wn, SILU_MUL: tl.constexpr):
+    def _pro_rstd(h_ptr, d_ptr, K, eps, PRO_D: tl.constexpr):
+        """The prologue's norm scale: 1 / rms(round(h + d)) over the whole row, as ``residual._tail`` takes it."""
+        cols = tl.arange(0, PRO_D)
+        m = cols < K
+        dt = h_ptr.dtype.element_ty
+        hf = (tl.load(h_ptr + cols, mask=m, other=0.0).to(tl.float32)
+              + tl.load(d_ptr + cols, mask=m, other=0.0).to(tl.float32)).to(dt).to(tl.float32)
+        return 1.0 / tl.sqrt_rn(tl.sum(hf * hf, axis=0) / K + eps)
+
+    @triton.jit
+    def _pro_x(h_ptr, d_ptr, w_ptr, idx, kmask, rstd):
+        """The prologue's row at idx: round(h + d) and norm(round(h + d)), each rounded to h's dtype, float32."""
+        dt = h_ptr.dtype.element_ty
+        hf = (tl.load(h_ptr + idx, mask=kmask, other=0.0).to(tl.float32)
+              + tl.load(d_ptr + idx, mask=kmask, other=0.0).to(tl.float32)).to(dt).to(tl.float32)
+        w = tl.load(w_ptr + idx, mask=kmask, other=0.0).to(tl.float32)
+        return hf, (w * (hf * rstd).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+
+    @triton.jit
+    def _a_chunk(a_row, idx, kmask, pro_h, pro_d, pro_w, rstd, PRO: tl.constexpr):
+        """The row's slice at idx, float32: loaded, or (PRO) the norm of the residual add computed here."""
+        if PRO:
+            _, a = _pro_x(pro_h, pro_d, pro_w, idx, kmask, rstd)
+        else:
+            a = tl.load(a_row + idx, mask=kmask, other=0.0).to(tl.float32)
+        return a
+
+    @triton.jit
+    def _chunk(a_row, w_rows, k0, ks, cmask, K, N_OUT, stride_wn, pro_h, pro_d, pro_w, rstd,
+               SILU_MUL: tl.constexpr, PRO: tl.constexpr):
         """One BLOCK_K chunk at k0: the row's slice (1, BLOCK_K) and its weights (and the up rows), float32."""
         kmask = (k0 + ks) < K
         m = cmask[:, None] & kmask[None, :]
@@ -44,7 +75,7 @@ if triton is not None:
         w_up = w
         if SILU_MUL:
             w_up = tl.load(w_rows + N_OUT * stride_wn + k0 + ks[None, :], mask=m, other=0.0).to(tl.float32)
-        a = tl.load(a_row + k0 + ks, mask=kmask, other=0.0).to(tl.float32)[None, :]
+        a = _a_chunk(a_row, k0 + ks, kmask, pro_h, pro_d, pro_w, rstd, PRO)[None, :]
         return a, w, w_up
 
     @triton.jit
@@ -57,12 +88,15 @@ if triton is not None:
 
     @triton.jit
     def _pair_row(a_row, w_rows, cols, cmask, N_OUT, K, stride_wn, SILU_MUL: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, dt: tl.constexpr, WAIT: tl.constexpr, PIPE: tl.constexpr):
+                  BLOCK_K: tl.constexpr, dt: tl.constexpr, WAIT: tl.constexpr, PIPE: tl.constexpr,
+                  pro_h=None, pro_d=None, pro_w=None, pro_eps=0.0, PRO: tl.constexpr = False,
+                  PRO_D: tl.constexpr = 1):
         """One row a (K,) times BLOCK_N weight rows (and, SILU_MUL, the up rows N_OUT further): float32 sums.
         The first chunk is peeled: its weights are loaded before a, and WAIT waits for the previous kernel
         (``pdl.wait``) between the two, so under PDL the weights stream in while that kernel drains. PIPE: each
         iteration loads the next chunk before it multiplies the current one, so two chunks a program are in
-        flight (the loads are not used before the products of the chunk before them)."""
+        flight (the loads are not used before the products of the chunk before them). PRO: the row is not read
+        but computed, norm(round(pro_h + pro_d)) with pro_w and pro_eps (``add_norm_linear``)."""
         ks = tl.arange(0, BLOCK_K)
         kmask = ks < K
         m = cmask[:, None] & kmask[None, :]
@@ -71,16 +105,21 @@ if triton is not None:
         if SILU_MUL:
             w_up = tl.load(w_rows + N_OUT * stride_wn + ks[None, :], mask=m, other=0.0).to(tl.float32)
         pdl.wait(WAIT)
-        a = tl.load(a_row + ks, mask=kmask, other=0.0).to(tl.float32)[None, :]
+        rstd = 0.0
+        if PRO:
+            rstd = _pro_rstd(pro_h, pro_d, K, pro_eps, PRO_D)
+        a = _a_chunk(a_row, ks, kmask, pro_h, pro_d, pro_w, rstd, PRO)[None, :]
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         for k0 in range(BLOCK_K, K, BLOCK_K):  # the same sums in the same order; only where the next load goes
             if PIPE:
-                a_n, w_n, w_up_n = _chunk(a_row, w_rows, k0, ks, cmask, K, N_OUT, stride_wn, SILU_MUL)
+                a_n, w_n, w_up_n = _chunk(a_row, w_rows, k0, ks, cmask, K, N_OUT, stride_wn, pro_h, pro_d, pro_w,
+                                              rstd, SILU_MUL, PRO)
                 acc, acc_up = _fma(acc, acc_up, a, w, w_up, SILU_MUL)
             else:
                 acc, acc_up = _fma(acc, acc_up, a, w, w_up, SILU_MUL)
-                a_n, w_n, w_up_n = _chunk(a_row, w_rows, k0, ks, cmask, K, N_OUT, stride_wn, SILU_MUL)
+                a_n, w_n, w_up_n = _chunk(a_row, w_rows, k0, ks, cmask, K, N_OUT, stride_wn, pro_h, pro_d, pro_w,
+                                              rstd, SILU_MUL, PRO)
             a, w, w_up = a_n, w_n, w_up_n
         acc, acc_up = _fma(acc, acc_up, a, w, w_up, SILU_MUL)
         y = tl.sum(acc, axis=1)
@@ -140,7 +179,9 @@ if triton is not None:
                           logits_ptr=None, bias_ptr=None, wt_ptr=None, E=0, ROUTE: tl.constexpr = False,
                           TOP_K: tl.constexpr = 1, BLOCK_E: tl.constexpr = 1, tail_h_ptr=None, tail_w_ptr=None,
                           tail_h_out_ptr=None, tail_x_out_ptr=None, count_ptr=None, tail_scale=1.0, tail_eps=0.0,
-                          TAIL: tl.constexpr = False, TAIL_K: tl.constexpr = 0, TAIL_D: tl.constexpr = 1):
+                          TAIL: tl.constexpr = False, TAIL_K: tl.constexpr = 0, TAIL_D: tl.constexpr = 1,
+                          pro_h_ptr=None, pro_d_ptr=None, pro_w_ptr=None, pro_h_out_ptr=None, pro_x_out_ptr=None,
+                          pro_eps=0.0, PRO: tl.constexpr = False, PRO_D: tl.constexpr = 1):
         """One (token, expert) pair p < P, one tile of output columns: out[p] = a[p // A_DIV] @ w[e]^T
         (* scale[p]). No 16-row block around a single row: every program streams its BLOCK_N weight rows with
         plain loads and sums products in float32. SILU_MUL: w holds [gate | up] (2 * N_OUT rows) and the
@@ -153,7 +194,9 @@ if triton is not None:
         the tile-0 programs write the expert ids into expert_ptr and their weights into wt_ptr. TAIL: the last
         program to finish (counted on count_ptr, reset after) runs the residual tail of one row over the whole
         output (``residual.producer_tail``): TAIL_K == 0, out[0] is the delta; else out[:TAIL_K] the routed
-        experts' and out[TAIL_K] the shared expert's."""
+        experts' and out[TAIL_K] the shared expert's. PRO: the row is the residual tail of the launch before, one
+        row (``add_norm_linear``): each program computes norm(round(h + d)) itself where it would load a (no tail
+        kernel between the two products), and program (0, 0) writes h + d and its norm for the launches after."""
         pdl.release(PDL)
         if not PREFETCH:
             pdl.wait(PDL)
@@ -174,7 +217,15 @@ if triton is not None:
                 w_e = w_ptr + tl.load(expert_ptr + p).to(tl.int64) * stride_we
             y = _pair_row(a_ptr + (p // A_DIV).to(tl.int64) * stride_a,
                           w_e + cols[:, None].to(tl.int64) * stride_wn, cols, cmask, N_OUT, K,
-                          stride_wn, SILU_MUL, BLOCK_N, BLOCK_K, dt, PREFETCH, PIPE)
+                          stride_wn, SILU_MUL, BLOCK_N, BLOCK_K, dt, PREFETCH, PIPE, pro_h_ptr, pro_d_ptr, pro_w_ptr,
+                          pro_eps, PRO, PRO_D)
+            if PRO:
+                if (p == 0) & (tl.program_id(1) == 0):
+                    idx = tl.arange(0, PRO_D)
+                    rstd = _pro_rstd(pro_h_ptr, pro_d_ptr, K, pro_eps, PRO_D)
+                    hf, xf = _pro_x(pro_h_ptr, pro_d_ptr, pro_w_ptr, idx, idx < K, rstd)
+                    tl.store(pro_h_out_ptr + idx, hf.to(dt), mask=idx < K)
+                    tl.store(pro_x_out_ptr + idx, xf.to(dt), mask=idx < K)
             if HAS_SCALE:
                 y = y * tl.load(scale_ptr + p).to(tl.float32)
         tl.store(out_ptr + p.to(tl.int64) * stride_out + cols, y.to(dt), mask=cmask)
@@ -233,14 +284,15 @@ def use_card_tiles(device: torch.device) -> str | None:
 
 def pair_gemv(a, w, out, expert, scale, a_div: int, silu_mul: bool = False, tile: str = "down",
               extra: tuple | None = None, single: bool = False, route: tuple | None = None,
-              tail: dict | None = None) -> None:
+              tail: dict | None = None, prologue: dict | None = None) -> None:
     """out (P, n) = each pair's row of a (row p // a_div) times its expert's w (E, N_w, K); n = N_w / 2 with
     silu_mul (w's rows [gate | up]), else N_w. extra = (gate_up (2 K2,), w2 (n, K2)): out has P + 1 rows and
     the last is silu(gate) * up times w2, computed in the same launch. single: w is one matrix (E = 1) and
     every pair reads it, so under PDL its first chunk loads before the wait for the previous kernel.
     route = (logits (E,), bias (E,), weights (P,)) for one token (a_div = P pairs, its top P experts): the
     kernel routes, writing the expert ids into ``expert`` and their weights into weights. tail: the keywords
-    of ``residual.producer_tail`` (its rows of out are the tail's delta): the launch's last program runs it."""
+    of ``residual.producer_tail`` (its rows of out are the tail's delta): the launch's last program runs it.
+    prologue: the keywords of ``residual.consumer_prologue`` (a is not read: each program computes its row)."""
     P, n_out, K = expert.numel(), out.shape[1], w.shape[2]
     assert a.stride(-1) == 1 and w.stride(-1) == 1 and out.stride(-1) == 1 and a.shape[-1] == K
     assert w.shape[1] == (2 * n_out if silu_mul else n_out) and out.shape[0] == P + (extra is not None)
@@ -249,6 +301,7 @@ def pair_gemv(a, w, out, expert, scale, a_div: int, silu_mul: bool = False, tile
         assert gu2.stride(-1) == 1 and w2.stride(-1) == 1 and w2.shape[0] == n_out
         assert gu2.shape[-1] == 2 * w2.shape[1]
     assert not single or (w.shape[0] == 1 and extra is None)
+    assert prologue is None or (a.shape[0] == 1 and P == 1 and extra is None and tail is None)
     routing = {}
     if route is not None:
         logits, bias, wt = route
@@ -266,7 +319,8 @@ def pair_gemv(a, w, out, expert, scale, a_div: int, silu_mul: bool = False, tile
                             HAS_SCALE=scale is not None, SILU_MUL=silu_mul, EXTRA=extra is not None,
                             BLOCK_N=t["block_n"], BLOCK_K=t["block_k"], num_warps=t["num_warps"],
                             PIPE=t["pipe"],
-                            PREFETCH=launch["PDL"] and single, **routing, **(tail or {}), **launch)
+                            PREFETCH=launch["PDL"] and single, **routing, **(tail or {}), **(prologue or {}),
+                            **launch)
 
 
 def runs(x: torch.Tensor) -> bool:
@@ -280,8 +334,9 @@ def runs(x: torch.Tensor) -> bool:
 _EXPERT0: dict = {}
 
 
-def _one_row(x: torch.Tensor, w: torch.Tensor, tail: dict | None = None) -> torch.Tensor:
-    """x (K elements) times w (N, K) through ``pair_gemv`` -> (1, N); tail: ``residual.producer_tail``'s keywords."""
+def _one_row(x: torch.Tensor, w: torch.Tensor, tail: dict | None = None, prologue: dict | None = None) -> torch.Tensor:
+    """x (K elements) times w (N, K) through ``pair_gemv`` -> (1, N); tail: ``residual.producer_tail``'s keywords;
+    prologue: ``residual.consumer_prologue``'s (x is then only a stand-in of its shape)."""
     K = w.shape[-1]
     key = str(x.device)
     if key not in _EXPERT0:  # made before a graph is captured (the first call is eager), read ever after
@@ -290,7 +345,7 @@ def _one_row(x: torch.Tensor, w: torch.Tensor, tail: dict | None = None) -> torc
     if x.is_cuda and not _CARD:  # the card's per-shape tiles are known before one is looked up
         use_card_tiles(x.device)
     pair_gemv(x.reshape(1, K), w.unsqueeze(0), out, _EXPERT0[key], None, 1, tile=dense_tile(w.shape[0], K),
-              single=True, tail=tail)
+              single=True, tail=tail, prologue=prologue)
     return out
 
 
@@ -315,3 +370,16 @@ def linear_add_norm(x: torch.Tensor, w: torch.Tensor, h: torch.Tensor, norm,
     kw, h_out, x_out = fused
     _one_row(x, w, kw)
     return h_out, x_out
+
+
+def add_norm_linear(h: torch.Tensor, delta: torch.Tensor, norm, w: torch.Tensor,
+                    b: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``residual.add_norm`` followed by ``linear``: (h', x', F.linear(x', w, b)) with h' = h + delta and
+    x' = norm(h'). For one row in one launch where ``residual.consumer_prologue`` allows (each program of the
+    product computes x' itself), else the tail kernel and the product."""
+    fused = residual.consumer_prologue(h, delta, norm) if _serves(h, w, b) else None
+    if fused is None:
+        h, x = residual.add_norm(h, delta, norm)
+        return h, x, linear(x, w, b)
+    kw, h_out, x_out = fused
+    return h_out, x_out, _one_row(h, w, prologue=kw).view(*h.shape[:-1], w.shape[0])

@@ -16,6 +16,8 @@ every kernel costs a few microseconds however little it reads. Here each tail is
                                                     -> (h', norm(h')), h' = h + (sum_k expert_out * scale + shared)
     producer_tail(h, norm, scale, k)                the same tail for one row, run inside the GEMV launch that
                                                     writes the delta (``IN_PRODUCER``): no launch of its own
+    consumer_prologue(h, delta, norm)               add_norm's for one row, computed by every program of the GEMV
+                                                    launch that reads x' (``IN_CONSUMER``): no launch of its own
 
 Numerics follow torch's sequence: the sum over k in float32 rounded once to the dtype (as torch's reduce
 does), each later product and add rounded to the dtype, the norm as ``triton_ops.rms_norm``. Where the
@@ -116,6 +118,27 @@ def producer_tail(h: torch.Tensor, norm, scale: float = 1.0, k: int = 0):
     kw = dict(tail_h_ptr=h, tail_w_ptr=norm.weight, tail_h_out_ptr=h_out, tail_x_out_ptr=x_out, count_ptr=counter,
               tail_scale=float(scale), tail_eps=triton_ops.norm_eps(norm), TAIL=True, TAIL_K=k,
               TAIL_D=triton.next_power_of_2(D))
+    return kw, h_out, x_out
+
+
+# Whether an add's norm is computed by the one-row GEMV launch that reads it (``consumer_prologue``,
+# ``gemv.add_norm_linear``): every program of the next product computes norm(h + delta) itself where it would
+# load its input row, so the tail is no launch of its own and no program waits on another. Benchmarks time both.
+IN_CONSUMER = False
+
+
+def consumer_prologue(h: torch.Tensor, delta: torch.Tensor, norm):
+    """For a one-row GEMV launch whose input row is norm(h + delta) (``add_norm``'s x'): (the launch's keywords,
+    h', x') where it can compute that itself (``IN_CONSUMER``, the kernels run, one contiguous row each), else
+    None. Program (0, 0) of the launch writes h' and x' for the launches after it."""
+    if not (IN_CONSUMER and triton_ops.enabled(h)) or delta.shape != h.shape or h.numel() != h.shape[-1]:
+        return None
+    if h.stride(-1) != 1 or delta.stride(-1) != 1:
+        return None
+    D = h.shape[-1]
+    h_out, x_out = (torch.empty(h.shape, device=h.device, dtype=h.dtype) for _ in range(2))
+    kw = dict(pro_h_ptr=h, pro_d_ptr=delta, pro_w_ptr=norm.weight, pro_h_out_ptr=h_out, pro_x_out_ptr=x_out,
+              pro_eps=triton_ops.norm_eps(norm), PRO=True, PRO_D=triton.next_power_of_2(D))
     return kw, h_out, x_out
 
 

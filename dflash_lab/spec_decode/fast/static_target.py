@@ -238,16 +238,21 @@ class StaticTarget:
             return (out.view(B, Q, -1, a.head_dim) * gate.unsqueeze(-1)).view(B, Q, -1)
         return out * gate
 
-    def _mlp_add_norm(self, lay: _Layer, x: torch.Tensor, h: torch.Tensor, norm) -> tuple[torch.Tensor, torch.Tensor]:
+    def _mlp_add_norm(self, lay: _Layer, x: torch.Tensor | None, h: torch.Tensor, norm,
+                      pending: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The MLP of the normed x added to the residual h: (h', norm(h')), the MLP's tail in one kernel
-        (``residual``) where Triton runs."""
+        (``residual``) where Triton runs. pending = (delta, post_norm): x is norm(h + delta), h's add not yet
+        made; the MLP's first product computes both (``gemv.add_norm_linear``, ``residual.IN_CONSUMER``)."""
+        g = None
+        if pending is not None:
+            h, x, g = gemv.add_norm_linear(h, pending[0], pending[1], lay.w_gu)
         B, Q, H = x.shape
         x = x.reshape(B * Q, H)
+        g = gemv.linear(x, lay.w_gu) if g is None else g.reshape(B * Q, -1)  # dense: gate | up
         if not lay.sparse:
-            return gemv.linear_add_norm(triton_ops.act_mul(lay.act, gemv.linear(x, lay.w_gu)), lay.w_down, h, norm)
+            return gemv.linear_add_norm(triton_ops.act_mul(lay.act, g), lay.w_down, h, norm)
         mlp, router = lay.mlp, lay.mlp.gate
-        n_exp = router.weight.shape[0]
-        g = gemv.linear(x, lay.w_gu)  # router | shared gate | up
+        n_exp = router.weight.shape[0]  # g: router | shared gate | up
         logits = g[:, :n_exp]
         # one token: the router runs inside the routed gate/up launch, and the shared expert's down projection
         # rides in the routed down launch (two launches for router, routed and shared experts)
@@ -333,8 +338,12 @@ class StaticTarget:
             cos, sin = rope[lay.layer_type]
             a = self._attention(lay, i, x, cos, sin, write_at, bias.get((lay.window, lay.groups)), rows, fused,
                                 rope_pos)
-            h, x = gemv.linear_add_norm(a, lay.attn.o_proj.weight, h, lay.post_norm, lay.attn.o_proj.bias)
-            h, x = self._mlp_add_norm(lay, x, h, norms[i])
+            if residual.IN_CONSUMER and h.numel() == h.shape[-1]:  # one row: the add's norm inside the MLP's product
+                d = gemv.linear(a, lay.attn.o_proj.weight, lay.attn.o_proj.bias).view(h.shape)
+                h, x = self._mlp_add_norm(lay, None, h, norms[i], pending=(d, lay.post_norm))
+            else:
+                h, x = gemv.linear_add_norm(a, lay.attn.o_proj.weight, h, lay.post_norm, lay.attn.o_proj.bias)
+                h, x = self._mlp_add_norm(lay, x, h, norms[i])
             if i in self.layer_ids:
                 captured[i] = h
         aux = torch.cat([captured[i] for i in self.layer_ids], dim=-1) if self.layer_ids else None  # (B, Q, n*H)
