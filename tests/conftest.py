@@ -109,7 +109,7 @@ def interpreted(tmp_path):
         path = tmp_path / name
         path.write_text(script)
         env = dict(os.environ, TRITON_INTERPRET="1", DFLASH_LAB_FUSED="1")
-        proc = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, env=env, timeout=600,
+        proc = subprocess.run([sys.executable, str(path)], capture_output=True, text=True, env=env, timeout=1500,
                               cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         assert proc.returncode == 0, proc.stderr[-3000:]
         return json.loads(proc.stdout.strip().splitlines()[-1])
