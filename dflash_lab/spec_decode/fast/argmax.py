@@ -48,12 +48,12 @@ if triton is not None:
         order = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # a float's order as a signed integer's
         order = tl.where(x == 0.0, 0, order)  # -0.0 equals 0.0: the first of them wins, as in torch
         order = tl.where(x != x, 0x7FFFFFFF, order)  # every NaN above +inf, as torch ranks it
-        key = (order.to(tl.int64) << 32) | (_INV - cols).to(tl.int64)
+        key = (order.to(tl.int64) << 32) | (0x7FFFFFFF - cols).to(tl.int64)
         key = tl.where(ok, key, -9223372036854775807 - 1)
         best = tl.max(key, axis=0)
         o = out_ptr + (row // W) * stride_o0 + (row % W) * stride_o1
         if SPLITS == 1:
-            tl.store(o, _INV - (best & 0xFFFFFFFF))
+            tl.store(o, 0x7FFFFFFF - (best & 0xFFFFFFFF))
         else:
             tl.store(keys_ptr + row * SPLITS + split, best)
             if MERGE:  # the last program of the row reduces the row's keys, then resets its counter
@@ -61,7 +61,7 @@ if triton is not None:
                 arrived = tl.atomic_add(count_ptr + row, 1, sem="acq_rel", scope="gpu")
                 if arrived == SPLITS - 1:
                     ks = tl.load(keys_ptr + row * SPLITS + tl.arange(0, SPLITS), cache_modifier=".cg")
-                    tl.store(o, _INV - (tl.max(ks, axis=0) & 0xFFFFFFFF))
+                    tl.store(o, 0x7FFFFFFF - (tl.max(ks, axis=0) & 0xFFFFFFFF))
                     tl.atomic_xchg(count_ptr + row, 0, sem="relaxed", scope="gpu")
 
 

@@ -214,8 +214,9 @@ class StaticTarget:
         cache_k, cache_v = self.cache[i]
         if rows is None and fused is not None and fused[1] is None and attention.rope_in_usable(qkvg):
             eps = triton_ops.norm_eps(a.q_norm)  # a chain step: norms, RoPE and the K/V write in the attention
-            if eps == triton_ops.norm_eps(a.k_norm):
-                return attention.rope_attention(qkvg, a.q_norm.weight, a.k_norm.weight, eps, cos, sin, rope_positions,
+            if eps == triton_ops.norm_eps(a.k_norm):  # a chain step's RoPE positions are its query positions,
+                rpos = None if rope_positions is None else fused[0]  # already int32: no conversion a layer
+                return attention.rope_attention(qkvg, a.q_norm.weight, a.k_norm.weight, eps, cos, sin, rpos,
                                                 cache_k, cache_v, g, fused[0], a.scaling, heads, window=lay.window,
                                                 per_head=a.gate_per_head)
         if rows is None:  # q (B, Q, H, hd); k and v written to their slots (one kernel where Triton runs)
