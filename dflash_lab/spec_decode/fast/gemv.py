@@ -111,17 +111,22 @@ if triton is not None:
         a = _a_chunk(a_row, ks, kmask, pro_h, pro_d, pro_w, rstd, PRO)[None, :]
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k0 in range(BLOCK_K, K, BLOCK_K):  # the same sums in the same order; only where the next load goes
-            if PIPE:
+        # the same sums in the same order either way. PIPE carries the next chunk's loads across an iteration;
+        # the plain loop loads and multiplies a chunk within one, no loaded tile carried (carrying them made the
+        # routed experts' one-token launches 15 % slower on an H100: 0.0299 against 0.0261 ms a layer)
+        if PIPE:
+            for k0 in range(BLOCK_K, K, BLOCK_K):
                 a_n, w_n, w_up_n = _chunk(a_row, w_rows, k0, ks, cmask, K, N_OUT, stride_wn, pro_h, pro_d, pro_w,
-                                              rstd, SILU_MUL, PRO)
+                                          rstd, SILU_MUL, PRO)
                 acc, acc_up = _fma(acc, acc_up, a, w, w_up, SILU_MUL)
-            else:
+                a, w, w_up = a_n, w_n, w_up_n
+            acc, acc_up = _fma(acc, acc_up, a, w, w_up, SILU_MUL)
+        else:
+            acc, acc_up = _fma(acc, acc_up, a, w, w_up, SILU_MUL)
+            for k0 in range(BLOCK_K, K, BLOCK_K):
+                a, w, w_up = _chunk(a_row, w_rows, k0, ks, cmask, K, N_OUT, stride_wn, pro_h, pro_d, pro_w, rstd,
+                                    SILU_MUL, PRO)
                 acc, acc_up = _fma(acc, acc_up, a, w, w_up, SILU_MUL)
-                a_n, w_n, w_up_n = _chunk(a_row, w_rows, k0, ks, cmask, K, N_OUT, stride_wn, pro_h, pro_d, pro_w,
-                                              rstd, SILU_MUL, PRO)
-            a, w, w_up = a_n, w_n, w_up_n
-        acc, acc_up = _fma(acc, acc_up, a, w, w_up, SILU_MUL)
         y = tl.sum(acc, axis=1)
         if SILU_MUL:
             g = y.to(dt).to(tl.float32)
