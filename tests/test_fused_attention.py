@@ -148,7 +148,7 @@ from dflash_lab.spec_decode.fast import attention, triton_ops
 
 gen = torch.Generator().manual_seed(1)
 prompt, block, one = (torch.randint(0, 64, s, generator=gen).to(DEV) for s in ((2, 24), (2, 5), (2, 1)))
-calls = []
+calls, was_rope_in = [], attention.ROPE_IN
 real = triton_ops.qk_rope_write
 triton_ops.qk_rope_write = lambda *a, **k: calls.append(a[0].shape[1]) or real(*a, **k)
 out = {}
@@ -171,7 +171,7 @@ with torch.no_grad():
             (l1, c1, k1), (l0, c0, k0) = seen[True], seen[False]
             out[name] = [all(torch.equal(a, b) for a, b in zip(l1, l0)), all(torch.equal(a, b) for a, b in zip(c1, c0)),
                          k1, k0]
-attention.ROPE_IN, triton_ops.qk_rope_write = True, real
+attention.ROPE_IN, triton_ops.qk_rope_write = was_rope_in, real
 print(json.dumps(out))
 """
 

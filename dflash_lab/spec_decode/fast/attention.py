@@ -10,7 +10,7 @@ does all of it, and reads only the slots a query can see:
     slot_attention(q, k, v, gate, visibility, scale, per_head)                     the drafter's block
     rope_attention(qkv, q_norm_w, k_norm_w, eps, cos, sin, rope_positions, ...)   a chain step from the raw
                    q|k|v projection: the head norms, RoPE and the new K/V's write (``triton_ops.qk_rope_write``)
-                   done by the attention's own programs (``ROPE_IN``), one launch fewer a layer
+                   done by the attention's own programs (``ROPE_IN``, off: one launch fewer a layer but slower)
 
 q (B, Q, H, hd); k, v (B, nkv, S, hd) (the cache, or a prefill's own keys; any strides); gate (B, Q, H)
 (``per_head``) or (B, Q, H*hd), pre-activation; qpos (B, Q) each query's position. The output is
@@ -63,7 +63,10 @@ BLOCK_N = 32  # key slots per iteration
 BLOCK_M = 16  # folded query rows per program, whatever Q is: a row's sums never depend on the step's width
 SPLIT_FROM, SPLIT_SLOTS, MAX_SPLITS = 512, 128, 8  # flash-decoding: a long cache's slots shared by programs
 MERGE_IN_LAST = True  # the splits merged by the last of them (one launch), not by a second kernel
-ROPE_IN, ROPE_MAX_Q = True, 64  # a chain step's q/k norm, RoPE and K/V write inside the kernel (``rope_attention``)
+# A chain step's q/k norm, RoPE and K/V write inside the kernel (``rope_attention``), at most ROPE_MAX_Q tokens a
+# row. Off: on an H100 a Laguna-XS.2 token took 3.110 ms with it against 3.044 ms with ``qk_rope_write`` apart
+# (benchmarks/xs2_switches_h100.md); benchmarks time both.
+ROPE_IN, ROPE_MAX_Q = False, 64
 
 
 def usable(q: torch.Tensor) -> bool:

@@ -124,7 +124,7 @@ def producer_tail(h: torch.Tensor, norm, scale: float = 1.0, k: int = 0):
 # Whether an add's norm is computed by the one-row GEMV launch that reads it (``consumer_prologue``,
 # ``gemv.add_norm_linear``): every program of the next product computes norm(h + delta) itself where it would
 # load its input row, so the tail is no launch of its own and no program waits on another. Benchmarks time both;
-# on an H100 a Laguna-XS.2 token took 3.220 ms with it against 3.251 without (benchmarks/xs2_steps_h100.md).
+# on an H100 a Laguna-XS.2 token took 3.105 ms with it against 3.146 without (benchmarks/xs2_switches_h100.md).
 IN_CONSUMER = True
 
 
